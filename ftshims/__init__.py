@@ -1,0 +1,74 @@
+"""ftshims: fixes for the known bugs of *your installed* torch / transformers / peft / trl stack.
+
+    import ftshims
+    ftshims.apply()          # or: import ftshims.auto
+
+Importing this package patches nothing and imports none of the packages it
+patches; the machinery loads on the first call below. See README.md for the
+environment variables and COMPAT_MATRIX.md for what each shim fixes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+__version__ = "0.1.0"
+
+__all__ = ["apply", "revert", "applied", "status", "ShimError", "__version__"]
+
+
+def apply(only=None, exclude=None, strict=False, include=None, options=None):
+    """Apply the shims whose bugs exist in the installed versions; return a report.
+
+    only:    apply just these shim ids (speed shims listed here are included).
+    exclude: never apply these shim ids.
+    strict:  raise ``ShimError`` when a shim fails to install, instead of
+             rolling it back and reporting it.
+    include: opt-in shims (``kind="speed"``) to apply on top of the defaults.
+    options: per-shim options, ``{"shim_id": {"option": value}}``.
+
+    Idempotent and thread-safe: shims already applied are left as they are.
+    Shims on modules that are not imported yet are installed by a post-import
+    hook when they are. Apart from ``strict=True`` and unknown shim ids or
+    option names (``ValueError``), no exception escapes.
+    """
+    from . import _manager
+
+    return _manager.apply(only=only, exclude=exclude, strict=strict, include=include, options=options)
+
+
+def revert(only=None):
+    """Undo applied shims (all, or those in ``only``); the original objects are restored."""
+    from . import _manager
+
+    return _manager.revert(only=only)
+
+
+def status():
+    """The current report: one entry per registered shim."""
+    from . import _manager
+
+    return _manager.status()
+
+
+@contextlib.contextmanager
+def applied(only=None, exclude=None, strict=False, include=None, options=None):
+    """Apply shims for the duration of a ``with`` block, then revert the ones this call applied."""
+    from . import _manager
+
+    before = {entry.id for entry in _manager.status() if entry.active}
+    report = _manager.apply(only=only, exclude=exclude, strict=strict, include=include, options=options)
+    newly = [entry.id for entry in report if entry.active and entry.id not in before]
+    try:
+        yield report
+    finally:
+        if newly:
+            _manager.revert(only=newly)
+
+
+def __getattr__(name):
+    if name == "ShimError":
+        from ._manager import ShimError
+
+        return ShimError
+    raise AttributeError(f"module 'ftshims' has no attribute {name!r}")

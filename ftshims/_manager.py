@@ -1,0 +1,277 @@
+"""apply / revert / status: the lifecycle, modelled on OpenTelemetry's BaseInstrumentor.
+
+For each registered shim, ``apply()`` decides, in this order:
+
+1. *disabled* — named in ``FTSHIMS_DISABLE`` (or it is ``*``), excluded, not in
+   ``only``, or a ``speed`` shim nobody asked for;
+2. *not needed* — a required distribution is absent or outside the shim's
+   version range (read from metadata; nothing is imported);
+3. *deferred* — a module it patches is not imported yet: a post-import hook
+   installs it the moment that module is imported;
+4. *applied* — installed now; or *target missing* (the target is absent or its
+   signature changed: skipped, nothing left patched) or *failed* (the install
+   raised: rolled back, logged, and raised only with ``strict=True``).
+
+All of it runs under one lock, so concurrent ``apply()`` calls and imports on
+other threads see each shim either fully installed or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set
+
+from . import registry
+from .patching import LOCK, Patcher, on_import, require_params, resolve
+from .report import (
+    APPLIED,
+    DEFERRED,
+    DISABLED,
+    FAILED,
+    NOT_APPLIED,
+    NOT_NEEDED,
+    TARGET_MISSING,
+    Report,
+    ShimStatus,
+)
+from .spec import SPEED, TargetMissing
+from .versions import explain_mismatch, in_range, installed_versions
+
+log = logging.getLogger("ftshims")
+
+DISABLE_ENV = "FTSHIMS_DISABLE"
+
+
+class ShimError(RuntimeError):
+    """Raised by ``apply(strict=True)`` when a shim fails to install."""
+
+
+@dataclass
+class _Record:
+    status: str = NOT_APPLIED
+    reason: str = "apply() has not been called"
+    patcher: Optional[Patcher] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+    strict: bool = False
+    cancels: List[Any] = field(default_factory=list)
+
+
+_RECORDS: Dict[str, _Record] = {}
+
+
+def is_rank_zero() -> bool:
+    for name in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(name)
+        if value not in (None, "", "0"):
+            return False
+    return True
+
+
+def _info(shim_id: str, status: str, reason: str) -> None:
+    if is_rank_zero():
+        log.info("ftshims: %s %s (%s)", shim_id, status, reason)
+
+
+def disabled_by_env() -> Set[str]:
+    raw = os.environ.get(DISABLE_ENV, "")
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def _check_ids(names: Optional[Iterable[str]], argument: str) -> Optional[Set[str]]:
+    if names is None:
+        return None
+    if isinstance(names, str):
+        names = [names]
+    chosen = set(names)
+    unknown = chosen - set(registry.ids())
+    if unknown:
+        raise ValueError(
+            f"{argument}: unknown shim id(s) {', '.join(sorted(unknown))}; known: {', '.join(registry.ids())}"
+        )
+    return chosen
+
+
+def _options_for(shim, overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    merged = dict(shim.spec.options)
+    unknown = set(overrides) - set(merged)
+    if unknown:
+        raise ValueError(f"options for {shim.id}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(merged) or 'none'}")
+    merged.update(overrides)
+    return merged
+
+
+def selection(shim, only=None, exclude=None, include=None, versions=None):
+    """``(status, reason)`` for a shim that is not active yet: DISABLED, NOT_NEEDED or None (selected)."""
+    spec = shim.spec
+    env = disabled_by_env()
+    if "*" in env or spec.id in env:
+        return DISABLED, f"disabled by {DISABLE_ENV}"
+    if exclude and spec.id in exclude:
+        return DISABLED, "excluded by exclude="
+    if only is not None and spec.id not in only:
+        return DISABLED, "not selected by only="
+    if spec.kind == SPEED and not ((only and spec.id in only) or (include and spec.id in include)):
+        return DISABLED, "speed shim, opt-in: pass only=[...] or include=[...]"
+    versions = versions if versions is not None else installed_versions(spec.requires)
+    mismatch = explain_mismatch(spec.requires, versions)
+    if mismatch:
+        fixed = ", ".join(f"{k} {v}" for k, v in spec.fixed_in.items())
+        return NOT_NEEDED, mismatch + (f" (fixed in {fixed})" if fixed else "")
+    return None, "selected"
+
+
+def _check_declared_targets(shim, versions) -> None:
+    """TargetMissing if a declared target of an imported module is absent or changed."""
+    spec = shim.spec
+    first_package = next(iter(spec.requires))
+    for target in spec.targets:
+        if target.when and not in_range(versions.get(first_package), target.when):
+            continue
+        module = sys.modules.get(target.module)
+        if module is None or target.module not in spec.modules:
+            continue  # family targets are checked by the shim as their modules appear
+        owner, attr = resolve(module, target.qualname)
+        require_params(getattr(owner, attr), target.params, target.dotted)
+
+
+def _install(shim, record: _Record) -> None:
+    """Install one shim now. Caller holds LOCK and has checked every module is imported."""
+    versions = installed_versions(shim.spec.requires)
+    patcher = Patcher(shim.id, on_part_error=_part_failed)
+    record.patcher = patcher
+    try:
+        _check_declared_targets(shim, versions)
+        patcher.installing = True
+        try:
+            shim.install(patcher, record.options)
+        finally:
+            patcher.installing = False
+    except TargetMissing as exc:
+        patcher.undo()
+        record.patcher = None
+        record.status, record.reason = TARGET_MISSING, str(exc)
+        log.warning("ftshims: %s skipped, target missing: %s", shim.id, exc)
+        return
+    except Exception as exc:
+        patcher.undo()
+        record.patcher = None
+        record.status, record.reason = FAILED, f"{type(exc).__name__}: {exc}"
+        log.warning("ftshims: %s failed and was rolled back: %s", shim.id, record.reason, exc_info=True)
+        if record.strict:
+            raise ShimError(f"{shim.id}: {record.reason}") from exc
+        return
+    record.status = APPLIED
+    record.reason = ", ".join(f"{k} {versions[k]}" for k in shim.spec.requires)
+    _info(shim.id, APPLIED, record.reason)
+
+
+def _part_failed(shim_id: str, exc: BaseException) -> None:
+    """A deferred part of an applied shim raised: roll the whole shim back."""
+    with LOCK:
+        record = _RECORDS.get(shim_id)
+        if record is None:
+            return
+        if record.patcher is not None:
+            record.patcher.undo()
+            record.patcher = None
+        record.status, record.reason = FAILED, f"{type(exc).__name__}: {exc}"
+        log.warning("ftshims: %s failed and was rolled back: %s", shim_id, record.reason, exc_info=exc)
+        if record.strict:
+            raise ShimError(f"{shim_id}: {record.reason}") from exc
+
+
+def _activate(shim, record: _Record) -> None:
+    missing = [m for m in shim.spec.modules if m not in sys.modules]
+    if not missing:
+        _install(shim, record)
+        return
+    record.status = DEFERRED
+    record.reason = f"waiting for import of {', '.join(missing)}"
+    _info(shim.id, DEFERRED, record.reason)
+
+    def on_module_imported(_module) -> None:
+        with LOCK:
+            if record.status != DEFERRED:
+                return  # reverted or already installed
+            if all(m in sys.modules for m in shim.spec.modules):
+                _install(shim, record)
+
+    for name in missing:
+        record.cancels.append(on_import(name, on_module_imported))
+
+
+def apply(only=None, exclude=None, strict: bool = False, include=None, options=None) -> Report:
+    """Apply every fix shim whose target versions are installed. See ``ftshims.apply``."""
+    only_set = _check_ids(only, "only")
+    exclude_set = _check_ids(exclude, "exclude")
+    include_set = _check_ids(include, "include")
+    options = dict(options or {})
+    _check_ids(options, "options")
+    with LOCK:
+        for shim in registry.shims().values():
+            record = _RECORDS.setdefault(shim.id, _Record())
+            if record.status in (APPLIED, DEFERRED):
+                continue  # idempotent: an active shim is left exactly as it is
+            if only_set is not None and shim.id not in only_set and record.reason != _Record.reason:
+                continue  # a narrowed call leaves the other shims' last decision alone
+            skip, reason = selection(shim, only_set, exclude_set, include_set)
+            if skip is not None:
+                if (record.status, record.reason) != (skip, reason):
+                    _info(shim.id, skip, reason)
+                record.status, record.reason = skip, reason
+                continue
+            record.options = _options_for(shim, options.get(shim.id, {}))
+            record.strict = strict
+            _activate(shim, record)
+        return status()
+
+
+def revert(only=None) -> Report:
+    """Undo every active shim (or those in ``only``), restoring the original objects."""
+    only_set = _check_ids(only, "only")
+    with LOCK:
+        for shim_id in reversed(list(registry.ids())):
+            if only_set is not None and shim_id not in only_set:
+                continue
+            record = _RECORDS.get(shim_id)
+            if record is None or record.status not in (APPLIED, DEFERRED):
+                continue
+            for cancel in record.cancels:
+                cancel()
+            record.cancels.clear()
+            if record.patcher is not None:
+                record.patcher.undo()
+                record.patcher = None
+            record.status, record.reason = NOT_APPLIED, "reverted"
+            _info(shim_id, NOT_APPLIED, "reverted")
+        return status()
+
+
+def status() -> Report:
+    """The current state of every registered shim."""
+    with LOCK:
+        entries = []
+        for shim in registry.shims().values():
+            record = _RECORDS.get(shim.id) or _Record()
+            entries.append(
+                ShimStatus(
+                    id=shim.id,
+                    kind=shim.spec.kind,
+                    status=record.status,
+                    reason=record.reason,
+                    title=shim.spec.title,
+                    versions=installed_versions(shim.spec.requires),
+                    patched=list(record.patcher.patched) if record.patcher else [],
+                )
+            )
+        return Report(entries)
+
+
+def notes(shim_id: str) -> List[str]:
+    """Parts of an applied shim that were skipped (for example a model lacking the target)."""
+    with LOCK:
+        record = _RECORDS.get(shim_id)
+        return list(record.patcher.notes) if record and record.patcher else []

@@ -1,0 +1,339 @@
+"""Reversible patching: every change ftshims makes goes through a :class:`Patcher`.
+
+A *slot* is one place ftshims writes to: an attribute of a module or class, or
+an item of a mapping (a registry such as transformers' mask-function table).
+Each slot remembers the object that was there before ftshims touched it and a
+stack of *layers*, one per shim that patched it. Writing is always "original,
+then every active layer on top", so that
+
+* removing the last layer writes back the very object that was there
+  (``module.f is original`` after ``revert()``), or deletes the attribute again
+  when it was inherited rather than defined on the class;
+* removing a layer from the middle of the stack (two shims on one function,
+  reverted out of order) rebuilds the stack without it;
+* a slot that someone else re-patched after us is left alone: our layers turn
+  into pass-throughs (each wrapper checks its layer's ``active`` flag) and a
+  warning says so, instead of clobbering the other patch.
+
+Wrappers are ``wrapt.FunctionWrapper`` objects, which bind correctly as
+functions, methods, classmethods and staticmethods and keep ``__wrapped__``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import wrapt
+
+from .spec import TargetMissing
+
+log = logging.getLogger("ftshims")
+
+# One lock for every structure in this module and for the manager's state:
+# apply(), revert() and post-import hooks all serialise on it.
+LOCK = threading.RLock()
+
+_MISSING = object()
+
+
+class _Layer:
+    __slots__ = ("shim_id", "build", "active")
+
+    def __init__(self, shim_id: str):
+        self.shim_id = shim_id
+        self.build: Callable[[Any], Any] = lambda inner: inner
+        self.active = True
+
+
+class _Slot:
+    """One attribute or mapping item, with the stack of shims patching it."""
+
+    def __init__(self, container: Any, key: Any, is_item: bool):
+        self.container = container
+        self.key = key
+        self.is_item = is_item
+        self.layers: List[_Layer] = []
+        own = self._read_own()
+        self.had_own = own is not _MISSING
+        if self.had_own:
+            self.original = own
+        elif is_item:
+            raise KeyError(key)
+        else:
+            # Inherited attribute: the raw descriptor from the MRO, so that a
+            # wrapped classmethod/staticmethod keeps its binding behaviour.
+            self.original = inspect.getattr_static(container, key)
+        self.written: Any = _MISSING
+
+    def describe(self) -> str:
+        name = getattr(self.container, "__qualname__", None) or getattr(self.container, "__name__", None)
+        if name is None:
+            name = type(self.container).__name__
+        return f"{name}[{self.key!r}]" if self.is_item else f"{name}.{self.key}"
+
+    def _read_own(self) -> Any:
+        if self.is_item:
+            return self.container.get(self.key, _MISSING) if hasattr(self.container, "get") else _MISSING
+        return vars(self.container).get(self.key, _MISSING)
+
+    def _write(self, value: Any) -> None:
+        if self.is_item:
+            self.container[self.key] = value
+        else:
+            setattr(self.container, self.key, value)
+
+    def _restore(self) -> None:
+        if self.had_own:
+            self._write(self.original)
+        elif self.is_item:
+            self.container.pop(self.key, None)
+        elif self.key in vars(self.container):
+            delattr(self.container, self.key)
+
+    def tampered(self) -> bool:
+        """True when the slot no longer holds what we last wrote (someone re-patched it)."""
+        return self.written is not _MISSING and self._read_own() is not self.written
+
+    def rebuild(self) -> None:
+        if self.tampered():
+            log.warning(
+                "ftshims: %s was replaced by other code after ftshims patched it; "
+                "leaving the other patch in place (ftshims' wrapper there now passes through)",
+                self.describe(),
+            )
+            return
+        if not self.layers:
+            self._restore()
+            self.written = _MISSING
+            return
+        value = self.original
+        for layer in self.layers:
+            value = layer.build(value)
+        self._write(value)
+        self.written = value
+
+
+# id(container), key, is_item -> slot. Containers are kept alive by the slot.
+_SLOTS: Dict[Tuple[int, Any, bool], _Slot] = {}
+
+
+def _slot(container: Any, key: Any, is_item: bool) -> _Slot:
+    ident = (id(container), key, is_item)
+    slot = _SLOTS.get(ident)
+    if slot is None:
+        slot = _Slot(container, key, is_item)
+        _SLOTS[ident] = slot
+    return slot
+
+
+def original_of(container: Any, key: Any) -> Any:
+    """The object that was at ``container.key`` before any shim patched it (for tests)."""
+    slot = _SLOTS.get((id(container), key, False))
+    return slot.original if slot else getattr(container, key)
+
+
+def _guarded(layer: _Layer, wrapper: Callable) -> Callable:
+    """A wrapt wrapper that becomes a pass-through once its layer is deactivated."""
+
+    def guarded(wrapped, instance, args, kwargs):
+        if layer.active:
+            return wrapper(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    return guarded
+
+
+# ---------------------------------------------------------------------------
+# Post-import hooks: one wrapt hook per module name, fanning out to waiters.
+
+_WAITERS: Dict[str, List[Callable[[Any], None]]] = {}
+
+
+def on_import(module_name: str, callback: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is).
+
+    Returns a function that cancels the callback if it has not run yet.
+    """
+    with LOCK:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            callback(module)
+            return lambda: None
+        waiters = _WAITERS.get(module_name)
+        if waiters is None:
+            waiters = _WAITERS[module_name] = []
+            wrapt.register_post_import_hook(_fire, module_name)
+        waiters.append(callback)
+
+    def cancel() -> None:
+        with LOCK:
+            pending = _WAITERS.get(module_name)
+            if pending and callback in pending:
+                pending.remove(callback)
+
+    return cancel
+
+
+def _fire(module: Any) -> None:
+    with LOCK:
+        waiters = _WAITERS.pop(module.__name__, [])
+        for callback in waiters:
+            callback(module)
+
+
+def waiting_on() -> Dict[str, int]:
+    """Module names with pending callbacks (for tests and the doctor)."""
+    with LOCK:
+        return {name: len(cbs) for name, cbs in _WAITERS.items() if cbs}
+
+
+# ---------------------------------------------------------------------------
+
+
+def resolve(module: Any, qualname: str) -> Tuple[Any, str]:
+    """``(owner, attribute)`` for a dotted path inside ``module``; TargetMissing if absent."""
+    owner = module
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = vars(owner).get(part, _MISSING) if inspect.ismodule(owner) else getattr(owner, part, _MISSING)
+        if owner is _MISSING:
+            raise TargetMissing(f"{module.__name__}.{qualname} not found ({part!r} is missing)")
+    if not hasattr(owner, parts[-1]):
+        raise TargetMissing(f"{module.__name__}.{qualname} not found")
+    return owner, parts[-1]
+
+
+def require_params(func: Any, names: Iterable[str], where: str) -> None:
+    """TargetMissing unless ``func`` accepts every parameter in ``names``."""
+    names = tuple(names)
+    if not names:
+        return
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError) as exc:
+        raise TargetMissing(f"{where}: signature unreadable ({exc})") from exc
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise TargetMissing(f"{where}: signature changed, no parameter {', '.join(missing)}")
+
+
+class Patcher:
+    """Records every change one shim makes, so that ``undo()`` reverses it exactly.
+
+    Shims receive a Patcher in ``install(patcher, options)`` and must make all
+    their changes through it. Raising from ``install`` (TargetMissing or any
+    other exception) makes the manager call ``undo()``: a shim is never left
+    half-applied.
+    """
+
+    def __init__(self, shim_id: str, on_part_error: Optional[Callable[[str, BaseException], None]] = None):
+        self.shim_id = shim_id
+        self._layers: List[Tuple[_Slot, _Layer]] = []
+        self._cancels: List[Callable[[], None]] = []
+        self._on_part_error = on_part_error
+        self.notes: List[str] = []
+        # True while the shim's install() runs: a part failing then fails install() itself.
+        self.installing = False
+
+    # -- primitives --------------------------------------------------------
+
+    def _push(self, container: Any, key: Any, is_item: bool, make_build: Callable[[_Layer], Callable]) -> Any:
+        with LOCK:
+            slot = _slot(container, key, is_item)
+            for existing, _ in self._layers:
+                if existing is slot:  # one layer per shim per slot: patching twice is a no-op
+                    return slot.written
+            layer = _Layer(self.shim_id)
+            layer.build = make_build(layer)
+            slot.layers.append(layer)
+            self._layers.append((slot, layer))
+            slot.rebuild()
+            return slot.written
+
+    def wrap(self, owner: Any, name: str, wrapper: Callable) -> Any:
+        """Wrap ``owner.name`` with a wrapt-style ``wrapper(wrapped, instance, args, kwargs)``."""
+        return self._push(
+            owner, name, False, lambda layer: lambda inner: wrapt.FunctionWrapper(inner, _guarded(layer, wrapper))
+        )
+
+    def replace(self, owner: Any, name: str, new: Any) -> Any:
+        """Replace ``owner.name`` with ``new`` outright (a class, a constant, a bound hook)."""
+        return self._push(owner, name, False, lambda layer: lambda inner: new)
+
+    def set_item(self, mapping: Any, key: Any, new: Any) -> Any:
+        """Replace ``mapping[key]`` (the key must exist)."""
+        return self._push(mapping, key, True, lambda layer: lambda inner: new)
+
+    def wrap_item(self, mapping: Any, key: Any, wrapper: Callable) -> Any:
+        """Wrap ``mapping[key]`` (a function in a registry) like :meth:`wrap`."""
+        return self._push(
+            mapping, key, True, lambda layer: lambda inner: wrapt.FunctionWrapper(inner, _guarded(layer, wrapper))
+        )
+
+    def wrap_aliases(self, original: Any, wrapper: Callable, packages: Iterable[str]) -> int:
+        """Wrap every module-level name bound to ``original`` in the given packages.
+
+        ``from x import f`` copies ``f`` into the importing module; wrapping only
+        the definition would miss those call sites. Modules imported later pick
+        up the wrapped object from the (already patched) definition site.
+        Returns the number of sites wrapped.
+        """
+        prefixes = tuple(packages)
+        count = 0
+        for mod_name, module in list(sys.modules.items()):
+            if module is None or not mod_name.split(".", 1)[0] in prefixes:
+                continue
+            try:
+                namespace = vars(module)
+            except TypeError:
+                continue
+            for attr, value in list(namespace.items()):
+                if value is original:
+                    self.wrap(module, attr, wrapper)
+                    count += 1
+        return count
+
+    def when_imported(self, module_name: str, install_part: Callable[[Any], None]) -> None:
+        """Run ``install_part(module)`` when ``module_name`` is imported (now if it is).
+
+        For shims that patch a family of optional modules (one modeling file per
+        model): each part is installed as its module appears. A part raising
+        TargetMissing is skipped (that model lacks the target); any other error
+        is reported to the manager, which rolls the whole shim back.
+        """
+
+        def run(module):
+            try:
+                install_part(module)
+            except TargetMissing as exc:
+                self.notes.append(str(exc))
+            except Exception as exc:  # reported, and the shim rolled back, by the manager
+                if self.installing or self._on_part_error is None:
+                    raise
+                self._on_part_error(self.shim_id, exc)
+
+        self._cancels.append(on_import(module_name, run))
+
+    # -- inspection and undo -------------------------------------------------
+
+    @property
+    def patched(self) -> List[str]:
+        return [slot.describe() for slot, _ in self._layers]
+
+    def undo(self) -> None:
+        with LOCK:
+            for cancel in self._cancels:
+                cancel()
+            self._cancels.clear()
+            for slot, layer in reversed(self._layers):
+                layer.active = False
+                if layer in slot.layers:
+                    slot.layers.remove(layer)
+                slot.rebuild()
+                if not slot.layers and not slot.tampered():
+                    _SLOTS.pop((id(slot.container), slot.key, slot.is_item), None)
+            self._layers.clear()

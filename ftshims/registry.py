@@ -1,0 +1,71 @@
+"""The list of shims, loaded on demand.
+
+Shim modules are cheap to import (a spec, a docstring and functions whose
+bodies import the heavy packages), so loading the registry never imports
+torch, transformers, peft or trl.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Dict, Optional, Tuple
+
+from .shims import SHIM_IDS
+from .spec import ShimSpec
+
+
+@dataclass(frozen=True)
+class Shim:
+    spec: ShimSpec
+    module: ModuleType
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    def install(self, patcher, options) -> None:
+        self.module.install(patcher, options)
+
+    @property
+    def probe(self):
+        """The shim's reproduction (``probe() -> Observation``), or None if it has none."""
+        return getattr(self.module, "probe", None)
+
+
+_CACHE: Optional[Dict[str, Shim]] = None
+
+
+def shims() -> Dict[str, Shim]:
+    """All registered shims by id, in registry order."""
+    global _CACHE
+    if _CACHE is None:
+        loaded: Dict[str, Shim] = {}
+        for shim_id in SHIM_IDS:
+            module = importlib.import_module(f"ftshims.shims.{shim_id}")
+            spec = module.SPEC
+            if spec.id != shim_id:
+                raise RuntimeError(f"ftshims/shims/{shim_id}.py declares id {spec.id!r}")
+            loaded[shim_id] = Shim(spec, module)
+        _CACHE = loaded
+    return _CACHE
+
+
+def get(shim_id: str) -> Shim:
+    try:
+        return shims()[shim_id]
+    except KeyError:
+        raise ValueError(f"unknown shim id {shim_id!r}; known: {', '.join(shims())}") from None
+
+
+def ids() -> Tuple[str, ...]:
+    return tuple(shims())
+
+
+def packages() -> Tuple[str, ...]:
+    """Every distribution named by any shim's ``requires``, sorted."""
+    names = set()
+    for shim in shims().values():
+        names.update(shim.spec.requires)
+    return tuple(sorted(names))

@@ -1,0 +1,91 @@
+"""The declarative part of a shim: what it fixes, where, on which versions.
+
+Every shim module in :mod:`ftshims.shims` starts with a ``SPEC = ShimSpec(...)``.
+The registry, ``apply()``, the doctor, ``COMPAT_MATRIX.md`` and the drift canary
+all read this object; none of them needs to import the shim's target packages
+to do so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Tuple
+
+FIX = "fix"  # corrects wrong behaviour; applied by default
+SPEED = "speed"  # same results, faster; applied only when asked for
+
+
+@dataclass(frozen=True)
+class Target:
+    """One object a shim replaces or wraps.
+
+    ``module`` is the module that defines it and ``qualname`` the dotted path
+    inside that module (``"PreTrainedModel.gradient_checkpointing_enable"``).
+    ``params`` lists parameter names the shim relies on; a target without them
+    counts as *changed* and the shim is skipped. ``when`` is a specifier on the
+    spec's first package: the target only exists (and is only checked) on
+    versions inside it.
+    """
+
+    module: str
+    qualname: str
+    params: Tuple[str, ...] = ()
+    when: Optional[str] = None
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+@dataclass(frozen=True)
+class ShimSpec:
+    """The declarative description of one shim.
+
+    ``requires`` maps distribution names to PEP 440 specifiers; the shim is
+    selected only when every listed distribution is installed and inside its
+    range (evaluated with ``prereleases=True``, see :mod:`ftshims.versions`).
+    ``modules`` are the modules that must be imported before the patch can be
+    installed; until then the shim is *deferred* behind a post-import hook.
+    """
+
+    id: str
+    title: str
+    symptom: str
+    requires: Mapping[str, str]
+    fixed_in: Mapping[str, str]
+    refs: Tuple[str, ...]
+    targets: Tuple[Target, ...]
+    modules: Tuple[str, ...]
+    kind: str = FIX
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in (FIX, SPEED):
+            raise ValueError(f"{self.id}: kind must be {FIX!r} or {SPEED!r}, not {self.kind!r}")
+        if not self.requires:
+            raise ValueError(f"{self.id}: a shim must name the package versions it applies to")
+        if not self.refs:
+            raise ValueError(f"{self.id}: a shim must cite at least one upstream reference")
+        if not self.modules:
+            raise ValueError(f"{self.id}: a shim must name the modules it patches")
+
+
+class TargetMissing(Exception):
+    """Raised by a shim's ``install`` when a target is absent or has changed shape.
+
+    The shim is then skipped (and anything it already patched is rolled back);
+    this is an expected outcome on versions the shim was not written for, not an
+    error.
+    """
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a shim's ``probe()`` saw: whether the bug happened, and the evidence in words."""
+
+    bug: bool
+    detail: str
+
+
+class ProbeUnsupported(Exception):
+    """Raised by a probe whose scenario cannot be expressed on the installed versions."""

@@ -1,0 +1,90 @@
+"""Tiny random models built from configs, for probes and tests. No network, no weights.
+
+Everything here imports torch/transformers inside the functions: importing this
+module is as cheap as importing ``ftshims``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Optional
+
+TINY_LLAMA = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence the deprecation chatter of old transformers/torch pairs inside probes."""
+    import logging
+
+    hf_logger = logging.getLogger("transformers")
+    level = hf_logger.level
+    hf_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logger.setLevel(level)
+
+
+def causal_lm(config_class: str = "LlamaConfig", attn: Optional[str] = "eager", seed: int = 0, dtype=None, **overrides):
+    """A small randomly initialised causal LM from ``transformers.<config_class>``.
+
+    ``attn`` picks the attention implementation where the installed
+    transformers lets one choose (>= 4.36); older versions are eager only.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    fields = dict(TINY_LLAMA) if config_class == "LlamaConfig" else {}
+    fields.update(overrides)
+    config = getattr(transformers, config_class)(**fields)
+    torch.manual_seed(seed)
+    with quiet():
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        except TypeError:  # transformers < 4.36: no choice, eager attention
+            model = AutoModelForCausalLM.from_config(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def tiny_llama(attn: Optional[str] = "eager", seed: int = 0, **overrides):
+    return causal_lm("LlamaConfig", attn=attn, seed=seed, **overrides)
+
+
+def lora(model, target_modules=("q_proj", "v_proj"), r: int = 4):
+    """Wrap ``model`` with a LoRA adapter (``peft.get_peft_model``)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=8, target_modules=list(target_modules), lora_dropout=0.0, task_type="CAUSAL_LM")
+    with quiet():
+        return get_peft_model(model, config)
+
+
+def batch(batch_size: int = 2, seq_len: int = 8, vocab_size: int = 128, seed: int = 0):
+    """Random token ids (avoiding the special ids 0..2) with labels equal to the inputs."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab_size, (batch_size, seq_len), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids.clone(), "attention_mask": torch.ones_like(input_ids)}
+
+
+def lora_parameters(model):
+    return {name: p for name, p in model.named_parameters() if "lora_" in name}

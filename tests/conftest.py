@@ -1,0 +1,61 @@
+"""Shared fixtures. The ``evidence`` fixture records, per shim and scenario, whether the
+bug reproduced without the shim and whether it was gone with it. When
+``FTSHIMS_EVIDENCE_OUT`` names a file, the records of the whole session are written
+there as JSON; the pinned-version matrix merges them into ftshims/data/verified.json,
+which COMPAT_MATRIX.md is generated from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+_RECORDS: dict = {}
+
+
+class Evidence:
+    def record(self, outcome, scenario: str) -> None:
+        entry = _RECORDS.setdefault(outcome.shim_id, {})
+        entry[scenario] = {
+            "affected": outcome.affected,
+            "bug_without_shim": outcome.without.bug,
+            "bug_with_shim": outcome.with_shim.bug,
+            "status": outcome.status.status,
+        }
+
+
+@pytest.fixture
+def evidence():
+    return Evidence()
+
+
+@pytest.fixture(autouse=True)
+def _no_shims_leak():
+    """Every test starts and ends with no shim active, whatever it did in between."""
+    import ftshims
+
+    ftshims.revert()
+    yield
+    ftshims.revert()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("FTSHIMS_EVIDENCE_OUT")
+    if not out:
+        return
+    from ftshims import registry
+    from ftshims.versions import installed_versions
+
+    payload = {
+        "stack": os.environ.get("FTSHIMS_STACK", "local"),
+        "versions": installed_versions(("torch",) + registry.packages() + ("accelerate", "datasets")),
+        "results": _RECORDS,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
