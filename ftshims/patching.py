@@ -274,18 +274,19 @@ class Patcher:
             mapping, key, True, lambda layer: lambda inner: wrapt.FunctionWrapper(inner, _guarded(layer, wrapper))
         )
 
-    def wrap_aliases(self, original: Any, wrapper: Callable, packages: Iterable[str]) -> int:
-        """Wrap every module-level name bound to ``original`` in the given packages.
+    def wrap_aliases(self, original: Any, wrapper: Callable, packages: Optional[Iterable[str]] = None) -> int:
+        """Wrap every module-level name bound to ``original``, in ``packages`` or (None) in every module.
 
         ``from x import f`` copies ``f`` into the importing module; wrapping only
-        the definition would miss those call sites. Modules imported later pick
-        up the wrapped object from the (already patched) definition site.
-        Returns the number of sites wrapped.
+        the definition would miss those call sites (a trainer module, or the
+        user's own script that imported the function before ``apply()``).
+        Modules imported later pick up the wrapped object from the already
+        patched definition site. Returns the number of sites wrapped.
         """
-        prefixes = tuple(packages)
+        prefixes = None if packages is None else tuple(packages)
         count = 0
         for mod_name, module in list(sys.modules.items()):
-            if module is None or not mod_name.split(".", 1)[0] in prefixes:
+            if module is None or (prefixes is not None and mod_name.split(".", 1)[0] not in prefixes):
                 continue
             try:
                 namespace = vars(module)
@@ -323,6 +324,11 @@ class Patcher:
     @property
     def patched(self) -> List[str]:
         return [slot.describe() for slot, _ in self._layers]
+
+    @property
+    def slots(self) -> List[Tuple[Any, Any, bool, Any]]:
+        """``(container, key, is_item, original)`` for every place this shim patched."""
+        return [(slot.container, slot.key, slot.is_item, slot.original) for slot, _ in self._layers]
 
     def undo(self) -> None:
         with LOCK:

@@ -21,12 +21,18 @@ _RECORDS: dict = {}
 
 class Evidence:
     def record(self, outcome, scenario: str) -> None:
-        entry = _RECORDS.setdefault(outcome.shim_id, {})
-        entry[scenario] = {
-            "affected": outcome.affected,
-            "bug_without_shim": outcome.without.bug,
-            "bug_with_shim": outcome.with_shim.bug,
-            "status": outcome.status.status,
+        """Record a :class:`ftshims.probing.ProbeOutcome`."""
+        self.record_raw(
+            outcome.shim_id, scenario, outcome.affected, outcome.without.bug, outcome.with_shim.bug, outcome.status.status
+        )
+
+    def record_raw(self, shim_id: str, scenario: str, affected: bool, bug_without: bool, bug_with: bool, status: str) -> None:
+        """Record a reproduction a test ran by hand (a real trainer path, say)."""
+        _RECORDS.setdefault(shim_id, {})[scenario] = {
+            "affected": bool(affected),
+            "bug_without_shim": bool(bug_without),
+            "bug_with_shim": bool(bug_with),
+            "status": status,
         }
 
 
