@@ -2,4 +2,6 @@
 
 SHIM_IDS = (
     "lora_reentrant_checkpointing",
+    "resize_embeddings_keeps_frozen",
+    "kbit_prep_keeps_adapters_trainable",
 )
