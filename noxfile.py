@@ -1,0 +1,80 @@
+"""Test sessions: the default suite and the pinned-version matrix.
+
+    nox -s tests              # the default stack (README's test command)
+    nox -s matrix             # every other pinned stack in ftshims/data/stacks.toml
+    nox -s "matrix(stack='t4_34')"
+    nox -s compat             # COMPAT_MATRIX.md and the recorded evidence agree
+
+Every session is a uv venv with torch 2.13.0 (CPU). uv does not read pip's
+configuration, so a local wheel folder named by ``pip config get
+global.find-links`` is passed on explicitly; without one, the PyTorch CPU index
+is used so that uv never pulls a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+STACKS = tomllib.loads((ROOT / "ftshims" / "data" / "stacks.toml").read_text())["stacks"]
+DEFAULT_STACK = next(name for name, stack in STACKS.items() if stack.get("default"))
+RESULTS = ROOT / "matrix-results"
+TORCH = "torch==2.13.0"
+TEST_DEPS = ["wrapt>=1.14", "packaging>=21", "pytest>=7", "hypothesis>=6", "pyyaml", "ninja"]
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["tests", "matrix", "compat"]
+os.environ.setdefault("UV_CACHE_DIR", str(ROOT / ".nox" / ".uv-cache"))
+
+
+def _torch_source() -> list:
+    try:
+        links = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        links = ""
+    if links and Path(links).is_dir():
+        return ["--find-links", links]
+    return ["--extra-index-url", "https://download.pytorch.org/whl/cpu", "--index-strategy", "unsafe-best-match"]
+
+
+def _run_suite(session: nox.Session, stack: str) -> None:
+    session.install(*_torch_source(), TORCH, *STACKS[stack]["pins"], *TEST_DEPS)
+    RESULTS.mkdir(exist_ok=True)
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "FTSHIMS_STACK": stack,
+        "FTSHIMS_EVIDENCE_OUT": str(RESULTS / f"{stack}.json"),
+        "TORCH_EXTENSIONS_DIR": str(ROOT / ".nox" / ".torch-extensions"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The default suite on the default stack."""
+    _run_suite(session, DEFAULT_STACK)
+
+
+@nox.session(python="3.11")
+@nox.parametrize("stack", [name for name in STACKS if name != DEFAULT_STACK])
+def matrix(session: nox.Session, stack: str) -> None:
+    """The whole suite on one pinned stack."""
+    _run_suite(session, stack)
+
+
+@nox.session(python="3.11", venv_backend="none")
+def compat(session: nox.Session) -> None:
+    """COMPAT_MATRIX.md is current and the evidence of this run matches what it claims."""
+    session.run(sys.executable, "-m", "ftshims.matrix", "--check", "--evidence", str(RESULTS), env={"PYTHONPATH": str(ROOT)})
