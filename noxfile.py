@@ -78,3 +78,9 @@ def matrix(session: nox.Session, stack: str) -> None:
 def compat(session: nox.Session) -> None:
     """COMPAT_MATRIX.md is current and the evidence of this run matches what it claims."""
     session.run(sys.executable, "-m", "ftshims.matrix", "--check", "--evidence", str(RESULTS), env={"PYTHONPATH": str(ROOT)})
+
+
+@nox.session(python="3.11", venv_backend="none")
+def canary(session: nox.Session) -> None:
+    """Every shim's targets exist, with their parameters, in the tracked and newest releases (downloads)."""
+    session.run(sys.executable, "-m", "ftshims.matrix", "--canary", *session.posargs, env={"PYTHONPATH": str(ROOT)})

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 __all__ = ["apply", "revert", "applied", "status", "ShimError", "__version__"]
 
 
-def apply(only=None, exclude=None, strict=False, include=None, options=None):
+def apply(only=None, exclude=None, strict=False, include=None, options=None, propagate=False):
     """Apply the shims whose bugs exist in the installed versions; return a report.
 
     only:    apply just these shim ids (speed shims listed here are included).
@@ -26,6 +26,9 @@ def apply(only=None, exclude=None, strict=False, include=None, options=None):
              rolling it back and reporting it.
     include: opt-in shims (``kind="speed"``) to apply on top of the defaults.
     options: per-shim options, ``{"shim_id": {"option": value}}``.
+    propagate: also export this selection in ``FTSHIMS_AUTO`` so that child
+             processes (torchrun ranks, spawned DataLoader workers) apply the
+             same shims at start-up, through the ``ftshims-auto.pth`` hook.
 
     Idempotent and thread-safe: shims already applied are left as they are.
     Shims on modules that are not imported yet are installed by a post-import
@@ -34,7 +37,10 @@ def apply(only=None, exclude=None, strict=False, include=None, options=None):
     """
     from . import _manager
 
-    return _manager.apply(only=only, exclude=exclude, strict=strict, include=include, options=options)
+    report = _manager.apply(only=only, exclude=exclude, strict=strict, include=include, options=options)
+    if propagate:
+        _manager.export_to_children(only=only, exclude=exclude, strict=strict, include=include, options=options)
+    return report
 
 
 def revert(only=None):

@@ -275,3 +275,11 @@ def notes(shim_id: str) -> List[str]:
     with LOCK:
         record = _RECORDS.get(shim_id)
         return list(record.patcher.notes) if record and record.patcher else []
+
+
+def export_to_children(**arguments) -> None:
+    """Put this apply() call's arguments in FTSHIMS_AUTO for child processes to repeat."""
+    import json
+
+    clean = {k: (sorted(v) if isinstance(v, (set, frozenset, tuple)) else v) for k, v in arguments.items() if v}
+    os.environ["FTSHIMS_AUTO"] = json.dumps(clean) if clean else "1"

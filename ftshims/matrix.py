@@ -4,6 +4,7 @@
     python -m ftshims.matrix --check              # exit 1 if COMPAT_MATRIX.md is stale
     python -m ftshims.matrix --evidence DIR --record   # merge a matrix run into data/verified.json, rewrite
     python -m ftshims.matrix --evidence DIR --check    # also: this run's evidence equals what is recorded
+    python -m ftshims.matrix --canary             # drift canary, see ftshims.canary
 
 The evidence of a run is one JSON file per stack, written by the test suite
 (``FTSHIMS_EVIDENCE_OUT``): for every shim and scenario, whether the stack was
@@ -224,7 +225,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--record", action="store_true", help="merge --evidence into ftshims/data/verified.json")
     parser.add_argument("--partial", action="store_true", help="with --evidence --check: do not require every stack")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    parser.add_argument("--canary", action="store_true", help="check every shim's targets in released code (downloads)")
+    parser.add_argument("--tracked-only", action="store_true", help="with --canary: skip the newest releases")
     args = parser.parse_args(argv)
+    if args.canary:
+        from . import canary
+
+        text, code = canary.report(canary.run(include_newest=not args.tracked_only))
+        print(text)
+        return code
     if args.record:
         if not args.evidence:
             parser.error("--record needs --evidence DIR")

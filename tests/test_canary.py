@@ -1,0 +1,78 @@
+"""The drift canary's static target check, on fabricated distributions (no network)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import textwrap
+import zipfile
+
+from ftshims import canary
+from ftshims.spec import Target
+
+MODULE = textwrap.dedent(
+    """
+    from .helpers import exported as reexported
+
+    class Mixin:
+        def inherited(self, model, flag=True):
+            pass
+
+    class Model(Mixin):
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            pass
+
+        def flexible(self, **kwargs):
+            pass
+
+    def prepare(model, use_gradient_checkpointing=True):
+        pass
+    """
+)
+HELPERS = "def exported(x, y):\n    pass\n"
+
+
+def _wheel(tmp_path):
+    path = tmp_path / "fakepkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("fakepkg/__init__.py", "")
+        zf.writestr("fakepkg/mod.py", MODULE)
+        zf.writestr("fakepkg/helpers.py", HELPERS)
+    return canary.Source(path)
+
+
+def _sdist(tmp_path):
+    path = tmp_path / "fakepkg-1.0.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in (("fakepkg/__init__.py", ""), ("fakepkg/mod.py", MODULE), ("fakepkg/helpers.py", HELPERS)):
+            data = text.encode()
+            info = tarfile.TarInfo(f"fakepkg-1.0/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return canary.Source(path)
+
+
+def test_targets_found_changed_missing(tmp_path):
+    for source in (_wheel(tmp_path), _sdist(tmp_path)):
+        check = lambda *a, **k: canary.check_target(source, Target("fakepkg.mod", *a, **k))  # noqa: E731
+        assert check("Model.gradient_checkpointing_enable", params=("gradient_checkpointing_kwargs",))[0]
+        ok, detail = check("Model.gradient_checkpointing_enable", params=("use_reentrant",))
+        assert not ok and "signature changed" in detail
+        assert check("Model.flexible", params=("anything",))[0], "**kwargs accepts any keyword"
+        assert check("Model.inherited", params=("model",))[0], "found on a base class in the same module"
+        assert check("prepare", params=("model",))[0]
+        assert check("reexported", params=("x", "y"))[0], "followed through `from .helpers import`"
+        ok, detail = check("vanished")
+        assert not ok and "not defined" in detail
+        ok, detail = canary.check_target(source, Target("fakepkg.nomodule", "f"))
+        assert not ok and "not in the distribution" in detail
+
+
+def test_report_fails_only_on_tracked_drift():
+    good = canary.Finding("s", "p", "1.0", True, "t", True, "found")
+    drift_newest = canary.Finding("s", "p", "2.0", False, "t", False, "not defined")
+    text, code = canary.report([good, drift_newest])
+    assert code == 0 and "ATTENTION" in text
+    drift_tracked = canary.Finding("s", "p", "1.0", True, "t", False, "not defined")
+    text, code = canary.report([good, drift_tracked])
+    assert code == 1 and "ERROR" in text
