@@ -1,0 +1,297 @@
+"""The report in three forms: text for a terminal, Markdown for a bug report, JSON for tools.
+
+Renderers only read the report dict (docs/doctor-json.md); each section has
+one text and one Markdown renderer, and an empty v2 section (probes,
+advisories, findings) renders as nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+from .shims import NOT_AFFECTED, OPT_IN, PATCHED, PATCHED_ON_IMPORT, UNPATCHED, UNVERIFIED
+
+_VERDICT_TEXT = {
+    PATCHED: "patched by ftshims.apply()",
+    PATCHED_ON_IMPORT: "patched by ftshims.apply() when its module is imported (targets not checked: --no-import)",
+    UNVERIFIED: "could not verify (its module did not import)",
+    UNPATCHED: "UNPATCHED: the known bug stays even with ftshims.apply()",
+    OPT_IN: "speed shim, opt-in: ftshims.apply(include=[...])",
+    NOT_AFFECTED: "not affected",
+}
+
+
+def to_json(report: Dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, default=str) + "\n"
+
+
+# -- shared pieces ----------------------------------------------------------
+
+
+def _v(value: Any, missing: str = "-") -> str:
+    return missing if value is None or value == "" else str(value)
+
+
+def _torch_line(torch: Dict[str, Any]) -> str:
+    status = torch.get("status")
+    if status == "not installed":
+        return "not installed"
+    if status == "import failed":
+        return f"import FAILED: {torch.get('error')}"
+    if status != "imported":
+        return _v(status, "unknown")
+    parts = [_v(torch.get("version"), "?")]
+    if torch.get("hip"):
+        parts.append(f"ROCm/HIP {torch['hip']}")
+    parts.append(f"CUDA {torch['cuda']}" if torch.get("cuda") else "CPU-only build")
+    if torch.get("cudnn"):
+        parts.append(f"cuDNN {torch['cudnn']}")
+    if torch.get("cxx11_abi") is not None:
+        parts.append(f"C++11 ABI {'TRUE' if torch['cxx11_abi'] else 'FALSE'}")
+    return ", ".join(parts)
+
+
+def _gpu_lines(torch: Dict[str, Any]) -> List[str]:
+    if torch.get("status") != "imported":
+        return ["unknown (torch did not import)"]
+    devices = torch.get("devices") or []
+    if not torch.get("cuda_available"):
+        extra = "; MPS available" if torch.get("mps_available") else ""
+        return [f"none (CUDA not available){extra}"]
+    lines = []
+    for d in devices:
+        mem = f", {d['memory_gib']} GiB" if d.get("memory_gib") else ""
+        lines.append(f"[{d['index']}] {_v(d.get('name'), '?')}, capability {_v(d.get('capability'), '?')}{mem}")
+    return lines or ["CUDA available but no device listed"]
+
+
+def _bf16(torch: Dict[str, Any]) -> str:
+    if torch.get("status") != "imported":
+        return "unknown"
+    value = torch.get("bf16_supported")
+    if value is None:
+        return "n/a (no CUDA device; on CPU torch computes bf16, usually slowly)"
+    return "yes" if value else "no (use fp16 or fp32)"
+
+
+def _pkg_text(row: Dict[str, Any]) -> str:
+    if row["status"] == "not installed":
+        return "-"
+    text = _v(row.get("version"), "?")
+    if row["status"] == "broken metadata":
+        text = f"BROKEN METADATA ({row.get('detail')})" if row.get("version") is None else f"{text}  BROKEN METADATA ({row.get('detail')})"
+    elif row.get("detail"):
+        text += f"  ({row['detail']})"
+    return text
+
+
+def _flash_lines(fa: Dict[str, Any]) -> List[str]:
+    status = fa.get("status")
+    if status == "not installed":
+        return ["not installed"]
+    head = f"{status}"
+    if fa.get("version"):
+        head = f"{status} (flash-attn {fa['version']})"
+    if status in ("ok", "timeout") and fa.get("seconds") is not None:
+        head += f" in {fa['seconds']} s"
+    lines = [head]
+    if fa.get("ok") is False and fa.get("error"):
+        lines.append(f"error: {fa['error']}")
+    if fa.get("ok") is False and fa.get("message"):
+        lines.append(fa["message"])
+    if fa.get("fix"):
+        lines.append(f"fix: {fa['fix']}")
+    if status == "skipped" and fa.get("message"):
+        lines.append(fa["message"])
+    return lines
+
+
+def _timing_text(report: Dict[str, Any]) -> str:
+    timing = report["timing"]
+    sections = timing.get("sections") or {}
+    parts = [f"{name} {sec:.1f} s" for name, sec in sections.items() if sec >= 0.05]
+    total = timing.get("total_s")
+    total_text = f"{total:.1f} s" if isinstance(total, (int, float)) else "?"
+    return f"{total_text}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+# -- text ---------------------------------------------------------------------
+
+
+def to_text(report: Dict[str, Any]) -> str:
+    out: List[str] = []
+    env = report["environment"]
+    torch = env.get("torch") or {}
+    py = env.get("python") or {}
+    plat = env.get("platform") or {}
+    ft = report["ftshims"]
+    out.append(f"ftshims doctor — ftshims {_v(ft.get('version'), '?')}{_ftshims_env(report)} (report schema {report['schema_version']})")
+    out.append("")
+    out.append("Environment")
+    rows = [
+        ("Python", f"{_v(py.get('version'), '?')} ({_v(py.get('implementation'), '?')}) {_v(py.get('executable'), '')}".rstrip()),
+        ("Platform", f"{_v(plat.get('platform'), '?')}, {_v(plat.get('cpu_count'), '?')} CPUs"),
+        ("torch", _torch_line(torch)),
+    ]
+    gpus = _gpu_lines(torch)
+    rows.append(("GPU", gpus[0]))
+    rows += [("", line) for line in gpus[1:]]
+    rows.append(("bf16", _bf16(torch)))
+    out += [f"  {k:<10}{v}" for k, v in rows]
+    if torch.get("field_errors"):
+        out += [f"  {'':<10}(could not read {e})" for e in torch["field_errors"]]
+
+    out.append("")
+    out.append("Packages")
+    width = max((len(r["name"]) for r in report["packages"]), default=0) + 2
+    out += [f"  {r['name']:<{width}}{_pkg_text(r)}" for r in report["packages"]]
+
+    out.append("")
+    out.append("flash-attn import (in a subprocess)")
+    out += [f"  {line}" for line in _flash_lines(report["flash_attn"])]
+
+    out.append("")
+    trial = report["trial"]
+    out.append(f"Shims (trial: {_v(trial.get('mode'), '?')}; nothing stays patched)")
+    if not report["shims"]:
+        failed = {e["section"] for e in report["errors"]} & {"shims", "trial"}
+        out.append("  could not be evaluated (see the doctor errors below)" if failed else "  none registered")
+    for s in report["shims"]:
+        if not s["affected"]:
+            out.append(f"  {s['id']}: not affected ({s['range']}{_fixed(s, '; ')})")
+            continue
+        out.append(f"  {s['id']}: AFFECTED [{s['kind']}] {s['title']}")
+        pad = "      "
+        out.append(f"{pad}versions  {s['range']}")
+        out.append(f"{pad}symptom   {s['symptom']}")
+        out.append(f"{pad}apply()   {s['status']} ({s['reason']})")
+        for target in s.get("patched") or []:
+            out.append(f"{pad}patches   {target}")
+        out.append(f"{pad}verdict   {_VERDICT_TEXT.get(s['verdict'], s['verdict'])}")
+        for note in s.get("notes") or []:
+            out.append(f"{pad}note      {note}")
+        if s["refs"]:
+            out.append(f"{pad}refs      {s['refs'][0]}" + (f" (+{len(s['refs']) - 1} more)" if len(s["refs"]) > 1 else ""))
+    failed = [row for row in trial.get("imports") or [] if not row["ok"]]
+    for row in failed:
+        out.append(f"  import {row['module']} FAILED: {row['error']}")
+
+    out += _v2_text(report)
+
+    summary = report["summary"]
+    out.append("")
+    out.append("Summary")
+    out.append(f"  {summary.get('message', '')}")
+    for problem in summary.get("problems", []):
+        out.append(f"  PROBLEM  {problem['id']}: {problem['message']}")
+    for warning in summary.get("warnings", []):
+        out.append(f"  warning  {warning}")
+    for error in report["errors"]:
+        out.append(f"  doctor error in {error['section']}: {error['error']}")
+    out.append(f"  Exit code {summary.get('exit_code')}; took {_timing_text(report)}.")
+    return "\n".join(out) + "\n"
+
+
+def _ftshims_env(report: Dict[str, Any]) -> str:
+    env = report["ftshims"].get("env") or {}
+    return "".join(f", {name}={value}" for name, value in env.items())
+
+
+def _fixed(s: Dict[str, Any], sep: str = " ") -> str:
+    if not s.get("fixed_in"):
+        return ""
+    return sep + "fixed in " + ", ".join(f"{k} {v}" for k, v in s["fixed_in"].items())
+
+
+def _v2_text(report: Dict[str, Any]) -> List[str]:
+    """Probes, advisories and findings (doctor v2); nothing when empty."""
+    out: List[str] = []
+    if report["probes"]["results"]:
+        out += ["", "Probes"]
+        for r in report["probes"]["results"]:
+            out.append(f"  {r.get('shim_id')}: {r.get('detail', '')}")
+    if report["advisories"]:
+        out += ["", "Advisories"]
+        for a in report["advisories"]:
+            out.append(f"  [{a.get('severity')}] {a.get('title')}: {a.get('remedy', '')}")
+    if report["findings"]:
+        out += ["", "Findings"]
+        for f in report["findings"]:
+            out.append(f"  [{f.get('severity')}] {f.get('message')} — fix: {f.get('fix', '')}")
+    return out
+
+
+# -- markdown -----------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    return _v(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: List[str], rows: List[List[Any]]) -> List[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def to_markdown(report: Dict[str, Any]) -> str:
+    env = report["environment"]
+    torch = env.get("torch") or {}
+    py = env.get("python") or {}
+    plat = env.get("platform") or {}
+    summary = report["summary"]
+    out: List[str] = ["### ftshims doctor", ""]
+    out.append(f"**{summary.get('message', '')}** (exit code {summary.get('exit_code')})")
+    out.append("")
+    env_rows = [
+        ["Python", f"{_v(py.get('version'))} ({_v(py.get('implementation'))})"],
+        ["Platform", _v(plat.get("platform"))],
+        ["torch", _torch_line(torch)],
+        ["GPU", "; ".join(_gpu_lines(torch))],
+        ["bf16", _bf16(torch)],
+        ["ftshims", _v(report["ftshims"].get("version")) + _ftshims_env(report)],
+    ]
+    out += _table(["", ""], env_rows)
+    out += ["", "<details><summary>Packages</summary>", ""]
+    out += _table(["package", "version"], [[r["name"], _pkg_text(r)] for r in report["packages"]])
+    out += ["", "</details>", ""]
+    fa = _flash_lines(report["flash_attn"])
+    out.append(f"**flash-attn import:** {fa[0]}")
+    out += [f"- {line}" for line in fa[1:]]
+    out.append("")
+    out.append(f"**Shims** (trial: {_v(report['trial'].get('mode'))})")
+    out.append("")
+    rows = []
+    for s in report["shims"]:
+        rows.append(
+            [
+                f"`{s['id']}`",
+                s["kind"],
+                "yes" if s["affected"] else "no",
+                s["status"],
+                s["verdict"],
+                s["range"] if not s["affected"] else s["reason"],
+            ]
+        )
+    out += _table(["shim", "kind", "affected", "apply()", "verdict", "detail"], rows) if rows else ["none registered"]
+    for line in _v2_text(report):
+        out.append(f"**{line}**" if line in ("Probes", "Advisories", "Findings") else line)
+    extra = [f"- problem: `{p['id']}` {p['message']}" for p in summary.get("problems", [])]
+    extra += [f"- warning: {w}" for w in summary.get("warnings", [])]
+    extra += [f"- doctor error in {e['section']}: {e['error']}" for e in report["errors"]]
+    if extra:
+        out += [""] + extra
+    out += ["", f"<sub>`python -m ftshims.doctor --markdown`, {_timing_text(report)}</sub>"]
+    return "\n".join(out) + "\n"
+
+
+def render(report: Dict[str, Any], fmt: str) -> str:
+    if fmt == "json":
+        return to_json(report)
+    if fmt == "markdown":
+        return to_markdown(report)
+    return to_text(report)
+
+
+__all__ = ["render", "to_json", "to_markdown", "to_text"]
