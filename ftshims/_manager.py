@@ -265,8 +265,11 @@ def status() -> Report:
                     title=shim.spec.title,
                     versions=installed_versions(shim.spec.requires),
                     patched=list(record.patcher.patched) if record.patcher else [],
+                    waiting=list(record.patcher.waiting) if record.patcher else [],
                 )
             )
+        for shim_id, reason in registry.load_errors().items():
+            entries.append(ShimStatus(id=shim_id, kind="fix", status=FAILED, reason=reason))
         return Report(entries)
 
 

@@ -52,10 +52,11 @@ class _Layer:
 class _Slot:
     """One attribute or mapping item, with the stack of shims patching it."""
 
-    def __init__(self, container: Any, key: Any, is_item: bool):
+    def __init__(self, container: Any, key: Any, is_item: bool, label: Optional[str] = None):
         self.container = container
         self.key = key
         self.is_item = is_item
+        self.label = label
         self.layers: List[_Layer] = []
         own = self._read_own()
         self.had_own = own is not _MISSING
@@ -70,6 +71,8 @@ class _Slot:
         self.written: Any = _MISSING
 
     def describe(self) -> str:
+        if self.label:
+            return self.label
         name = getattr(self.container, "__qualname__", None) or getattr(self.container, "__name__", None)
         if name is None:
             name = type(self.container).__name__
@@ -121,11 +124,11 @@ class _Slot:
 _SLOTS: Dict[Tuple[int, Any, bool], _Slot] = {}
 
 
-def _slot(container: Any, key: Any, is_item: bool) -> _Slot:
+def _slot(container: Any, key: Any, is_item: bool, label: Optional[str] = None) -> _Slot:
     ident = (id(container), key, is_item)
     slot = _SLOTS.get(ident)
     if slot is None:
-        slot = _Slot(container, key, is_item)
+        slot = _Slot(container, key, is_item, label)
         _SLOTS[ident] = slot
     return slot
 
@@ -238,12 +241,16 @@ class Patcher:
         self.notes: List[str] = []
         # True while the shim's install() runs: a part failing then fails install() itself.
         self.installing = False
+        # Modules whose parts of this shim are not installed yet (see when_imported).
+        self.waiting: List[str] = []
 
     # -- primitives --------------------------------------------------------
 
-    def _push(self, container: Any, key: Any, is_item: bool, make_build: Callable[[_Layer], Callable]) -> Any:
+    def _push(
+        self, container: Any, key: Any, is_item: bool, make_build: Callable[[_Layer], Callable], label: Optional[str] = None
+    ) -> Any:
         with LOCK:
-            slot = _slot(container, key, is_item)
+            slot = _slot(container, key, is_item, label)
             for existing, _ in self._layers:
                 if existing is slot:  # one layer per shim per slot: patching twice is a no-op
                     return slot.written
@@ -264,14 +271,14 @@ class Patcher:
         """Replace ``owner.name`` with ``new`` outright (a class, a constant, a bound hook)."""
         return self._push(owner, name, False, lambda layer: lambda inner: new)
 
-    def set_item(self, mapping: Any, key: Any, new: Any) -> Any:
-        """Replace ``mapping[key]`` (the key must exist)."""
-        return self._push(mapping, key, True, lambda layer: lambda inner: new)
+    def set_item(self, mapping: Any, key: Any, new: Any, label: Optional[str] = None) -> Any:
+        """Replace ``mapping[key]`` (the key must exist); ``label`` names the slot in reports."""
+        return self._push(mapping, key, True, lambda layer: lambda inner: new, label)
 
-    def wrap_item(self, mapping: Any, key: Any, wrapper: Callable) -> Any:
-        """Wrap ``mapping[key]`` (a function in a registry) like :meth:`wrap`."""
+    def wrap_item(self, mapping: Any, key: Any, wrapper: Callable, label: Optional[str] = None) -> Any:
+        """Wrap ``mapping[key]`` (a function in a registry) like :meth:`wrap`; ``label`` names it in reports."""
         return self._push(
-            mapping, key, True, lambda layer: lambda inner: wrapt.FunctionWrapper(inner, _guarded(layer, wrapper))
+            mapping, key, True, lambda layer: lambda inner: wrapt.FunctionWrapper(inner, _guarded(layer, wrapper)), label
         )
 
     def wrap_aliases(self, original: Any, wrapper: Callable, packages: Optional[Iterable[str]] = None) -> int:
@@ -308,6 +315,8 @@ class Patcher:
         """
 
         def run(module):
+            if module_name in self.waiting:
+                self.waiting.remove(module_name)
             try:
                 install_part(module)
             except TargetMissing as exc:
@@ -317,6 +326,7 @@ class Patcher:
                     raise
                 self._on_part_error(self.shim_id, exc)
 
+        self.waiting.append(module_name)
         self._cancels.append(on_import(module_name, run))
 
     # -- inspection and undo -------------------------------------------------
@@ -335,6 +345,7 @@ class Patcher:
             for cancel in self._cancels:
                 cancel()
             self._cancels.clear()
+            self.waiting.clear()
             for slot, layer in reversed(self._layers):
                 layer.active = False
                 if layer in slot.layers:

@@ -35,21 +35,37 @@ class Shim:
 
 
 _CACHE: Optional[Dict[str, Shim]] = None
+_ERRORS: Dict[str, str] = {}
 
 
 def shims() -> Dict[str, Shim]:
-    """All registered shims by id, in registry order."""
+    """All loadable registered shims by id, in registry order.
+
+    A shim module that fails to import (or declares the wrong id) is left out
+    and its error kept in :func:`load_errors`, so that one broken shim cannot
+    make ``apply()`` raise into user code.
+    """
     global _CACHE
     if _CACHE is None:
         loaded: Dict[str, Shim] = {}
         for shim_id in SHIM_IDS:
-            module = importlib.import_module(f"ftshims.shims.{shim_id}")
-            spec = module.SPEC
-            if spec.id != shim_id:
-                raise RuntimeError(f"ftshims/shims/{shim_id}.py declares id {spec.id!r}")
+            try:
+                module = importlib.import_module(f"ftshims.shims.{shim_id}")
+                spec = module.SPEC
+                if spec.id != shim_id:
+                    raise RuntimeError(f"ftshims/shims/{shim_id}.py declares id {spec.id!r}")
+            except Exception as exc:  # reported by status() and the doctor as a failed shim
+                _ERRORS[shim_id] = f"shim module failed to load: {type(exc).__name__}: {exc}"
+                continue
             loaded[shim_id] = Shim(spec, module)
         _CACHE = loaded
     return _CACHE
+
+
+def load_errors() -> Dict[str, str]:
+    """Shim ids whose module could not be loaded, with the reason."""
+    shims()
+    return dict(_ERRORS)
 
 
 def get(shim_id: str) -> Shim:

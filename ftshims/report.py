@@ -25,6 +25,7 @@ class ShimStatus:
     title: str = ""
     versions: Dict[str, Optional[str]] = field(default_factory=dict)
     patched: List[str] = field(default_factory=list)
+    waiting: List[str] = field(default_factory=list)  # modules whose parts are installed on import
 
     @property
     def active(self) -> bool:

@@ -436,3 +436,36 @@ def test_patcher_wraps_each_slot_once_per_shim(world):
     ftshims.apply()
     assert target.add(1) == 3
     assert patching.original_of(target, "add")(1) == 2
+
+
+def test_broken_shim_module_is_reported_not_raised(monkeypatch):
+    """A shim module that raises on import makes that shim "failed"; apply() still works for the rest."""
+    import types
+
+    from ftshims import registry
+
+    monkeypatch.setattr(registry, "SHIM_IDS", ("lora_reentrant_checkpointing", "no_such_shim_module"))
+    monkeypatch.setattr(registry, "_CACHE", None)
+    monkeypatch.setattr(registry, "_ERRORS", {})
+    monkeypatch.setattr(_manager, "_RECORDS", {})
+    report = ftshims.apply()
+    assert report["no_such_shim_module"].status == "failed"
+    assert "failed to load" in report["no_such_shim_module"].reason
+    assert report["lora_reentrant_checkpointing"].status != "failed"
+    ftshims.revert()
+
+
+def test_pending_parts_and_item_labels(world):
+    target = world.module()
+
+    def install(patcher, options):
+        patcher.wrap_item(target.REGISTRY, "double", add_one_more, label="REGISTRY['double']")
+        patcher.when_imported(f"{world.package}.other", lambda module: patcher.wrap(module, "add", add_one_more))
+
+    world.add_shim("parts", install)
+    entry = ftshims.apply()["parts"]
+    assert entry.patched == ["REGISTRY['double']"]
+    assert entry.waiting == [f"{world.package}.other"]
+    world.module("other")
+    entry = ftshims.status()["parts"]
+    assert entry.waiting == [] and len(entry.patched) == 2
