@@ -119,6 +119,32 @@ class _Slot:
         self._write(value)
         self.written = value
 
+    def current(self) -> Any:
+        """What code that reads this slot now gets: our top layer, or the original."""
+        return self.original if self.written is _MISSING else self.written
+
+
+def _sweep_copies(replacements: Dict[int, Tuple[Any, Any]]) -> None:
+    """Point module-level copies of replaced wrappers at their replacements.
+
+    A module imported after a shim wrapped a module-level function may have
+    copied the wrapper (``from peft.utils.other import f`` runs after the
+    post-import hook patched ``f``). When the wrapper is taken away, those
+    copies must get the original back too, or revert would not restore
+    identity everywhere. ``replacements`` maps ``id(old)`` to ``(old, new)``.
+    """
+    if not replacements:
+        return
+    for module in list(sys.modules.values()):
+        try:
+            namespace = vars(module)
+        except TypeError:
+            continue
+        for attr, value in list(namespace.items()):
+            hit = replacements.get(id(value))
+            if hit is not None and hit[0] is value:
+                namespace[attr] = hit[1]
+
 
 # id(container), key, is_item -> slot. Containers are kept alive by the slot.
 _SLOTS: Dict[Tuple[int, Any, bool], _Slot] = {}
@@ -346,11 +372,17 @@ class Patcher:
                 cancel()
             self._cancels.clear()
             self.waiting.clear()
+            replacements: Dict[int, Tuple[Any, Any]] = {}
             for slot, layer in reversed(self._layers):
                 layer.active = False
                 if layer in slot.layers:
                     slot.layers.remove(layer)
+                before = slot.current()
                 slot.rebuild()
+                after = slot.current()
+                if inspect.ismodule(slot.container) and after is not before and not slot.tampered():
+                    replacements[id(before)] = (before, after)
                 if not slot.layers and not slot.tampered():
                     _SLOTS.pop((id(slot.container), slot.key, slot.is_item), None)
             self._layers.clear()
+            _sweep_copies(replacements)

@@ -469,3 +469,16 @@ def test_pending_parts_and_item_labels(world):
     world.module("other")
     entry = ftshims.status()["parts"]
     assert entry.waiting == [] and len(entry.patched) == 2
+
+
+def test_copies_made_after_patching_are_restored_by_revert(world):
+    """A module imported after the shim (copying the wrapper) gets the original back on revert."""
+    world.add_shim("wrap_add", wrap_add)
+    ftshims.apply()
+    target = world.module()  # installs the shim
+    original = patching.original_of(target, "add")
+    other = world.module("other")  # `from target import add` copies the wrapper
+    assert other.add(1) == 3
+    ftshims.revert()
+    assert target.add is original
+    assert other.add is original, "the copy made after patching still held the wrapper"
