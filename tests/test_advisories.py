@@ -1,0 +1,489 @@
+"""Advisories: the data file's schema, and every advisory's matching on fabricated version sets.
+
+Fast and offline: nothing here imports torch or transformers. Every advisory in
+ftshims/data/advisories.json must have a row in CASES (a test fails otherwise),
+with versions inside its range, on both edges, outside it, with a package
+absent, and with pre-release / local versions where they matter.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ftshims import advisories
+from ftshims.advisories import AdvisoryDataError, parse
+
+N = None  # "not installed"
+
+# advisory id -> [(versions, checks, expected match)]
+CASES = {
+    "modernbert_flash_attn_pos_idx_in_fp32": [
+        ({"transformers": "4.48.0", "flash-attn": "2.8.0.post2"}, None, True),  # both lower edges
+        ({"transformers": "4.52.4", "flash-attn": "2.8.3.post2"}, None, True),
+        ({"transformers": "4.53.0", "flash-attn": "2.8.0.post2"}, None, False),  # fixed release
+        ({"transformers": "4.53.0.dev0", "flash-attn": "2.8.0"}, None, False),  # dev build of the fix counts as fixed
+        ({"transformers": "4.47.1", "flash-attn": "2.8.0"}, None, False),  # no ModernBERT yet
+        ({"transformers": "4.50.0", "flash-attn": "2.7.4.post1"}, None, False),  # still has pos_idx_in_fp32
+        ({"transformers": "4.50.0", "flash-attn": N}, None, False),
+        ({"transformers": "4.51.0.dev0", "flash-attn": "2.8.1"}, None, True),
+        ({"transformers": "4.50.0", "flash-attn": "2.8.0+cu12torch2.6cxx11abiTRUE"}, None, True),  # local label
+        ({"transformers": "4.50.0", "flash_attn": "2.8.2"}, None, True),  # module-style name
+        ({"transformers": "4.50.0", "flash-attn": "2.8.0a1"}, None, False),  # pre-release of 2.8.0 sorts below it (PEP 440)
+    ],
+    "flash_attn_triton_ops_need_torch_2_6": [
+        ({"flash-attn": "2.8.0.post2", "torch": "2.5.1+cu124"}, None, True),
+        ({"flash-attn": "2.8.3", "torch": "2.4.1"}, None, True),
+        ({"flash_attn": "2.8.3.post2", "torch": "2.5.0a0+git1234abc"}, None, True),
+        ({"flash-attn": "2.8.3", "torch": "2.6.0"}, None, False),  # torch edge
+        ({"flash-attn": "2.8.3", "torch": "2.6.0a0+git123"}, None, False),  # NGC 2.6 build
+        ({"flash-attn": "2.7.4.post1", "torch": "2.5.1"}, None, False),
+        ({"flash-attn": N, "torch": "2.5.1"}, None, False),
+        ({"flash-attn": "2.8.3", "torch": N}, None, False),
+    ],
+    "trl_constant_length_dataset_packing": [
+        ({"trl": "0.14.0"}, None, True),
+        ({"trl": "0.4.7"}, None, True),
+        ({"trl": "0.14.0+local"}, None, True),
+        ({"trl": "0.15.0"}, None, False),
+        ({"trl": "0.15.0.dev0"}, None, False),
+        ({"trl": "1.16.0"}, None, False),
+        ({"trl": N}, None, False),
+        ({}, None, False),
+    ],
+    "trl_wrapped_only_packing": [
+        ({"trl": "0.15.0"}, None, True),
+        ({"trl": "0.16.1"}, None, True),
+        ({"trl": "0.18.2"}, None, True),
+        ({"trl": "0.14.0"}, None, False),
+        ({"trl": "0.15.0rc1"}, None, False),  # below 0.15.0
+        ({"trl": "0.19.0"}, None, False),
+        ({"trl": "0.19.0.dev0"}, None, False),
+        ({"trl": N}, None, False),
+    ],
+    "custom_4d_mask_unsupported": [
+        ({"transformers": "4.30.2"}, None, True),
+        ({"transformers": "4.36.2"}, None, True),
+        ({"transformers": "4.37.0"}, None, False),
+        ({"transformers": "4.37.0.dev0"}, None, False),
+        ({"transformers": "4.57.6"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "packing_detection_needs_torch_2_6": [
+        ({"torch": "2.5.1+cu124", "transformers": "4.53.1"}, None, True),  # lower edge of transformers
+        ({"torch": "2.5.1", "transformers": "4.57.6"}, None, True),
+        ({"torch": "2.4.1", "transformers": "4.57.0.dev0"}, None, True),  # dev build inside the range
+        ({"torch": "2.5.0a0+git1234abc", "transformers": "4.55.0"}, None, True),  # NGC build of 2.5
+        ({"torch": "2.5.1", "transformers": "4.53.0"}, None, False),  # no packing detection at all yet
+        ({"torch": "2.5.1", "transformers": "5.0.0"}, None, False),  # upper edge: gate removed
+        ({"torch": "2.5.1", "transformers": "5.0.0.dev0"}, None, False),
+        ({"torch": "2.6.0", "transformers": "4.55.0"}, None, False),  # torch edge
+        ({"torch": "2.6.0a0+git123", "transformers": "4.55.0"}, None, False),  # NGC 2.6 build: transformers counts it as 2.6
+        ({"torch": "2.13.0+cpu", "transformers": "4.57.6"}, None, False),
+        ({"torch": N, "transformers": "4.55.0"}, None, False),
+        ({"torch": "2.5.1", "transformers": N}, None, False),
+    ],
+    "ga_mean_of_micro_batch_means": [
+        ({"transformers": "4.30.2"}, None, True),
+        ({"transformers": "4.45.2"}, None, True),
+        ({"transformers": "4.46.0"}, None, False),
+        ({"transformers": "4.46.0.dev0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "ga_loss_scaling_4_46": [
+        ({"transformers": "4.46.0"}, None, True),
+        ({"transformers": "4.46.3"}, None, True),
+        ({"transformers": "4.45.2"}, None, False),
+        ({"transformers": "4.47.0"}, None, False),
+        ({"transformers": "4.47.0.dev0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "ga_loss_scaling_4_47_0": [
+        ({"transformers": "4.47.0"}, None, True),
+        ({"transformers": "4.47.0+local"}, None, True),
+        ({"transformers": "4.46.3"}, None, False),
+        ({"transformers": "4.47.1"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "ga_loss_scaling_4_47_1": [
+        ({"transformers": "4.47.1"}, None, True),
+        ({"transformers": "4.47.0"}, None, False),
+        ({"transformers": "4.48.0"}, None, False),
+        ({"transformers": "4.48.0.dev0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "ga_loss_scaling_4_48_0": [
+        ({"transformers": "4.48.0"}, None, True),
+        ({"transformers": "4.47.1"}, None, False),
+        ({"transformers": "4.48.1"}, None, False),
+        ({"transformers": "4.57.6"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "accelerate_hub_split_torch_state_dict": [
+        ({"accelerate": "0.32.0", "huggingface-hub": "0.17.3"}, None, True),  # lower edge of accelerate
+        ({"accelerate": "1.12.0", "huggingface-hub": "0.20.3"}, None, True),  # last accelerate importing it eagerly
+        ({"accelerate": "0.32.1", "huggingface_hub": "0.17.3"}, None, True),  # module-style name
+        ({"accelerate": "0.31.0", "huggingface-hub": "0.17.3"}, None, False),
+        ({"accelerate": "1.13.0", "huggingface-hub": "0.20.3"}, None, False),  # import became lazy
+        ({"accelerate": "0.32.1", "huggingface-hub": "0.21.0"}, None, False),  # hub edge: has the function
+        ({"accelerate": "0.32.1", "huggingface-hub": "0.21.0rc0"}, None, False),
+        ({"accelerate": "0.32.1", "huggingface-hub": N}, None, False),
+        ({"accelerate": N, "huggingface-hub": "0.17.3"}, None, False),
+    ],
+    "flash_attn_abi_mismatch": [
+        ({"flash-attn": "2.7.4.post1", "torch": "2.6.0+cu124"}, None, False),  # never on versions alone
+        ({"flash-attn": "2.7.4.post1"}, {"flash_attn_import": "abi mismatch"}, True),
+        ({}, {"flash_attn_import": "abi mismatch"}, True),  # metadata-less install still counts
+        ({"flash-attn": "2.7.4.post1"}, {"flash_attn_import": "ok"}, False),
+        ({"flash-attn": "2.7.4.post1"}, {"flash_attn_import": "missing library"}, False),
+        ({"flash-attn": "2.7.4.post1"}, {"flash_attn_import": None}, False),
+        ({"flash-attn": "2.7.4.post1"}, {}, False),
+    ],
+    "deepseek_v2_yarn_missing_mscale": [
+        ({"transformers": "4.54.0"}, None, True),
+        ({"transformers": "4.57.0.dev0"}, None, True),
+        ({"transformers": "5.14.1"}, None, True),
+        ({"transformers": "4.53.3"}, None, False),
+        ({"transformers": "5.15.0"}, None, False),
+        ({"transformers": "5.15.0.dev0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "mistral4_yarn_missing_mscale": [
+        ({"transformers": "5.4.0"}, None, True),
+        ({"transformers": "5.14.1"}, None, True),
+        ({"transformers": "5.3.0"}, None, False),
+        ({"transformers": "5.15.0"}, None, False),
+        ({"transformers": "4.57.6"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "llama_gemma_causal_mask_buffer_4_38": [
+        ({"transformers": "4.38.0"}, None, True),
+        ({"transformers": "4.38.2"}, None, True),
+        ({"transformers": "4.37.2"}, None, False),
+        ({"transformers": "4.38.0.dev0"}, None, False),  # below 4.38.0
+        ({"transformers": "4.39.0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+}
+
+
+def _raw():
+    return json.loads(advisories.DATA.read_text(encoding="utf-8"))
+
+
+# --- the data file -------------------------------------------------------------------------------------
+
+
+def test_data_file_loads_and_validates():
+    loaded = advisories.load()
+    assert loaded, "no advisories"
+    assert [a.id for a in loaded] == [raw["id"] for raw in _raw()["advisories"]]
+
+
+def test_every_advisory_has_matching_cases_and_no_stale_cases():
+    ids = {a.id for a in advisories.load()}
+    assert ids - set(CASES) == set(), "advisories without fabricated version cases"
+    assert set(CASES) - ids == set(), "cases for advisories that no longer exist"
+
+
+def test_every_advisory_has_a_positive_and_a_negative_case():
+    for advisory_id, rows in CASES.items():
+        outcomes = {expected for _, _, expected in rows}
+        assert outcomes == {True, False}, advisory_id
+
+
+def test_schema_invariants_of_the_shipped_data():
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from ftshims.shims import SHIM_IDS
+
+    seen = set()
+    for a in advisories.load():
+        assert a.id not in seen
+        seen.add(a.id)
+        assert a.severity in ("error", "warning", "info")
+        assert a.title and a.symptom and a.remedy
+        assert a.refs and all(ref.startswith(("https://", "http://")) for ref in a.refs)
+        assert a.verified and all(entry.startswith(("src: ", "run: ")) for entry in a.verified)
+        for name, specifier in a.when.items():
+            assert name == advisories.normalize(name)
+            SpecifierSet(specifier)  # raises if invalid
+        for name, version in a.fixed_in.items():
+            assert not (name in a.when and advisories.in_range(version, a.when[name])), (a.id, name)
+            Version(version)
+        assert set(a.related_shims) <= set(SHIM_IDS), (a.id, a.related_shims)
+        assert set(a.fixed_by_shims) <= set(SHIM_IDS), (a.id, a.fixed_by_shims)
+        assert not set(a.fixed_by_shims) & set(a.related_shims), a.id
+        assert a.when or a.check is not None
+
+
+def test_fixed_by_shims_apply_where_the_advisory_matches():
+    """A shim named in fixed_by_shims must be in range for the versions the advisory matches."""
+    from ftshims import registry
+
+    for a in advisories.load():
+        for shim_id in a.fixed_by_shims:
+            requires = registry.get(shim_id).spec.requires
+            for versions, _checks, expected in CASES[a.id]:
+                if not expected:
+                    continue
+                for name, specifier in requires.items():
+                    version = next((v for k, v in versions.items() if advisories.normalize(k) == name), None)
+                    if version is not None:
+                        assert advisories.in_range(version, specifier), (a.id, shim_id, name, version, specifier)
+
+
+def test_check_advisories_are_documented_in_the_data_file():
+    about = " ".join(_raw()["about"])
+    for a in advisories.load():
+        if a.check is not None:
+            assert a.check.name in about, f"check {a.check.name!r} is not documented in the data file's 'about'"
+
+
+def test_check_statuses_match_the_doctor_flash_attn_check():
+    from ftshims.doctor import flashattn
+
+    reported = {
+        flashattn.OK,
+        flashattn.NOT_INSTALLED,
+        flashattn.ABI_MISMATCH,
+        flashattn.MISSING_LIBRARY,
+        flashattn.IMPORT_ERROR,
+        flashattn.TIMEOUT,
+        flashattn.CRASHED,
+        flashattn.CHECK_FAILED,
+        flashattn.SKIPPED,
+    }
+    assert set(advisories.CHECKS["flash_attn_import"]) == reported
+
+
+def test_to_dict_round_trips():
+    loaded = advisories.load()
+    again = parse({"schema": 1, "advisories": [a.to_dict() for a in loaded]})
+    assert again == loaded
+
+
+def test_packages_lists_every_when_distribution():
+    names = advisories.packages()
+    assert names == tuple(sorted(names))
+    for a in advisories.load():
+        assert set(a.when) <= set(names)
+    assert {"transformers", "torch", "trl", "flash-attn", "accelerate", "huggingface-hub"} <= set(names)
+
+
+# --- schema violations are refused, with the advisory named --------------------------------------------
+
+
+def _one(**changes):
+    base = {
+        "id": "sample",
+        "title": "t",
+        "severity": "warning",
+        "when": {"transformers": ">=4.40,<4.41"},
+        "symptom": "s",
+        "remedy": "r",
+        "refs": ["https://github.com/huggingface/transformers/issues/1"],
+        "verified": ["src: somewhere"],
+    }
+    for key, value in changes.items():
+        if value is KeyError:
+            base.pop(key)
+        else:
+            base[key] = value
+    return {"schema": 1, "advisories": [base]}
+
+
+INVALID = [
+    ({"title": KeyError}, "missing field"),
+    ({"severity": "critical"}, "severity"),
+    ({"when": {"transformers": ">=4.40,<<4.41"}}, "not a PEP 440 specifier"),
+    ({"when": {"transformers": 4.4}}, "specifier string"),
+    ({"when": {"Flash_Attn": ">=2"}}, "PEP 503"),
+    ({"when": {}}, "non-empty 'when' or a 'check'"),
+    ({"refs": ["github.com/x/y/issues/1"]}, "not an http(s) URL"),
+    ({"refs": []}, "must not be empty"),
+    ({"verified": ["read the code"]}, "must start with"),
+    ({"verified": []}, "must not be empty"),
+    ({"id": "Bad-Id"}, "snake_case"),
+    ({"colour": "red"}, "unknown field"),
+    ({"check": {"name": "nvcc_version", "status": ["x"]}}, "unknown check"),
+    ({"check": {"name": "flash_attn_import", "status": ["exploded"]}}, "never reports"),
+    ({"check": {"name": "flash_attn_import"}}, "exactly 'name' and 'status'"),
+    ({"fixed_in": {"transformers": "4.40.5"}}, "lies inside"),
+    ({"fixed_in": {"transformers": "four"}}, "not a PEP 440 version"),
+    ({"absent_matches": ["torch"]}, "not in 'when'"),
+    ({"symptom": ""}, "non-empty string"),
+    ({"model_types": "llama"}, "list of non-empty strings"),
+]
+
+
+def test_invalid_advisories_are_refused():
+    assert [a.id for a in parse(_one())] == ["sample"]  # the base is valid: each refusal below is the change's
+    for changes, message in INVALID:
+        with pytest.raises(AdvisoryDataError, match="^(advisory '|advisories\\[0\\])") as info:
+            parse(_one(**changes))
+        assert message in str(info.value), (changes, str(info.value))
+
+
+def test_duplicate_ids_and_bad_top_level_are_refused():
+    data = _one()
+    data["advisories"].append(copy.deepcopy(data["advisories"][0]))
+    with pytest.raises(AdvisoryDataError, match="duplicate id"):
+        parse(data)
+    with pytest.raises(AdvisoryDataError, match="schema"):
+        parse({"schema": 2, "advisories": []})
+    with pytest.raises(AdvisoryDataError, match="unknown top-level"):
+        parse({"schema": 1, "advisories": [], "extra": 1})
+
+
+def test_load_reports_an_unreadable_file(tmp_path):
+    bad = tmp_path / "advisories.json"
+    bad.write_text("{not json")
+    with pytest.raises(AdvisoryDataError, match="cannot read"):
+        advisories.load(bad)
+    with pytest.raises(AdvisoryDataError, match="cannot read"):
+        advisories.load(tmp_path / "missing.json")
+
+
+# --- matching --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("advisory_id", sorted(CASES))
+def test_matching_on_fabricated_versions(advisory_id):
+    """One test per advisory (not per row): the autouse revert fixture costs ~0.1 s a test."""
+    advisory = advisories.get(advisory_id)
+    wrong = []
+    for versions, checks, expected in CASES[advisory_id]:
+        if advisory.matches(versions, checks) is not expected:
+            wrong.append(f"matches({versions}, checks={checks}) should be {expected}")
+        if (advisory in advisories.matching(versions, checks)) is not expected:
+            wrong.append(f"matching({versions}, checks={checks}) should {'' if expected else 'not '}list it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_an_absent_package_never_matches():
+    """Every positive case turns negative when any one of its `when` packages is missing (None or no key)."""
+    for advisory_id, rows in CASES.items():
+        advisory = advisories.get(advisory_id)
+        for versions, checks, expected in rows:
+            if not expected:
+                continue
+            for name in advisory.when:
+                without = {k: v for k, v in versions.items() if advisories.normalize(k) != name}
+                for absent in (without, {**without, name: None}):
+                    assert not advisory.matches(absent, checks), (advisory_id, name, absent)
+
+
+def test_absent_matches_opts_in_to_absence():
+    data = _one(when={"transformers": ">=4.40,<4.41", "accelerate": "<0.20"}, absent_matches=["accelerate"])
+    (advisory,) = parse(data)
+    assert advisory.matches({"transformers": "4.40.2", "accelerate": None})
+    assert advisory.matches({"transformers": "4.40.2"})
+    assert advisory.matches({"transformers": "4.40.2", "accelerate": "0.19.0"})
+    assert not advisory.matches({"transformers": "4.40.2", "accelerate": "0.20.0"})
+    assert not advisory.matches({"transformers": None, "accelerate": None})  # only the listed package may be absent
+
+
+def test_unparsable_versions_never_match():
+    advisory = advisories.get("custom_4d_mask_unsupported")
+    for version in ("unknown", "", "4.36-custom", "git+abc"):
+        assert not advisory.matches({"transformers": version}), version
+
+
+def test_check_advisory_with_versions_needs_both():
+    data = _one(check={"name": "flash_attn_import", "status": ["abi mismatch"]}, when={"torch": ">=2.6"})
+    (advisory,) = parse(data)
+    assert advisory.matches({"torch": "2.6.0+cu124"}, {"flash_attn_import": "abi mismatch"})
+    assert not advisory.matches({"torch": "2.5.1"}, {"flash_attn_import": "abi mismatch"})
+    assert not advisory.matches({"torch": "2.6.0"}, {"flash_attn_import": "ok"})
+
+
+def test_model_type_rules_out_other_families():
+    versions = {"transformers": "4.57.6"}
+    ids = [a.id for a in advisories.matching(versions)]
+    assert "deepseek_v2_yarn_missing_mscale" in ids
+    assert "deepseek_v2_yarn_missing_mscale" in [a.id for a in advisories.matching(versions, model_type="deepseek_v2")]
+    assert "deepseek_v2_yarn_missing_mscale" not in [a.id for a in advisories.matching(versions, model_type="llama")]
+    # advisories without model_types do not depend on the model
+    ga = {"transformers": "4.47.0"}
+    assert "ga_loss_scaling_4_47_0" in [a.id for a in advisories.matching(ga, model_type="qwen2")]
+
+
+def test_matching_sorts_by_severity_then_file_order():
+    versions = {
+        "transformers": "4.47.0",
+        "trl": "0.16.1",
+        "accelerate": "0.32.1",
+        "huggingface-hub": "0.17.3",
+        "torch": "2.5.1",
+    }
+    found = advisories.matching(versions, {"flash_attn_import": "abi mismatch"})
+    ranks = [advisories.SEVERITY_RANK[a.severity] for a in found]
+    assert ranks == sorted(ranks)
+    assert [a.id for a in found][:2] == ["accelerate_hub_split_torch_state_dict", "flash_attn_abi_mismatch"]
+    assert {"ga_loss_scaling_4_47_0", "trl_wrapped_only_packing"} <= {a.id for a in found}
+
+
+def test_matching_reads_installed_versions_when_none_given(monkeypatch):
+    fake = {"transformers": "4.48.0", "torch": "2.13.0+cpu"}
+    asked = []
+
+    def installed(name):
+        asked.append(name)
+        return fake.get(name)
+
+    monkeypatch.setattr(advisories, "installed_version", installed)
+    assert [a.id for a in advisories.matching()] == ["ga_loss_scaling_4_48_0"]
+    assert sorted(asked) == sorted(advisories.packages())
+
+
+def test_evidence_names_the_matching_versions():
+    advisory = advisories.get("accelerate_hub_split_torch_state_dict")
+    lines = advisory.evidence({"accelerate": "0.32.1", "huggingface_hub": "0.17.3"})
+    assert lines == ["accelerate 0.32.1 in >=0.32.0,<1.13.0", "huggingface-hub 0.17.3 in <0.21.0"]
+    abi = advisories.get("flash_attn_abi_mismatch")
+    assert abi.evidence({}, {"flash_attn_import": "abi mismatch"}) == ["check flash_attn_import: abi mismatch"]
+
+
+def test_the_pinned_stacks_see_the_expected_advisories():
+    """The matrix stacks (common.md) against the data: a cross-check of the ranges."""
+    stacks = {
+        "s430": ({"transformers": "4.30.2", "peft": "0.4.0", "trl": "0.4.7", "torch": "2.13.0+cpu"},
+                 {"trl_constant_length_dataset_packing", "custom_4d_mask_unsupported", "ga_mean_of_micro_batch_means"}),
+        "s438": ({"transformers": "4.38.2", "trl": "0.8.1", "torch": "2.13.0+cpu"},
+                 {"trl_constant_length_dataset_packing", "ga_mean_of_micro_batch_means",
+                  "llama_gemma_causal_mask_buffer_4_38"}),
+        "s446": ({"transformers": "4.46.3", "trl": "0.12.2", "torch": "2.13.0+cpu"},
+                 {"trl_constant_length_dataset_packing", "ga_loss_scaling_4_46"}),
+        "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"}, set()),
+        "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"}, {"deepseek_v2_yarn_missing_mscale"}),
+        "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"}, set()),
+    }
+    for name, (versions, expected) in stacks.items():
+        assert {a.id for a in advisories.matching(versions)} == expected, name
+
+
+# --- import cost -------------------------------------------------------------------------------------------
+
+
+def test_import_is_light():
+    code = textwrap.dedent(
+        """
+        import sys
+        import ftshims.advisories as a
+        a.matching({"transformers": "4.47.0", "torch": "2.5.1"}, {"flash_attn_import": "abi mismatch"})
+        heavy = sorted(m for m in ("torch", "transformers", "peft", "trl", "accelerate", "numpy", "flash_attn",
+                                   "huggingface_hub", "datasets", "wrapt", "ftshims.doctor", "ftshims._manager")
+                       if m in sys.modules)
+        print(",".join(heavy))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing ftshims.advisories pulled in: {out.stdout.strip()}"
