@@ -2,6 +2,8 @@
 
 SHIM_IDS = (
     "lora_reentrant_checkpointing",
+    "expand_mask_clamp",
+    "max_positions_guard",
     "resize_embeddings_keeps_frozen",
     "kbit_prep_keeps_adapters_trainable",
 )
