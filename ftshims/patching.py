@@ -25,6 +25,7 @@ import inspect
 import logging
 import sys
 import threading
+import types
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import wrapt
@@ -122,6 +123,15 @@ class _Slot:
     def current(self) -> Any:
         """What code that reads this slot now gets: our top layer, or the original."""
         return self.original if self.written is _MISSING else self.written
+
+
+def _sweepable(value: Any) -> bool:
+    """Only objects a shim built (wrappers, functions, classes) can have copies worth chasing.
+
+    Never constants: ``None``, ``False`` or a small int are shared by every
+    module, and "restoring" their copies would rewrite unrelated globals.
+    """
+    return isinstance(value, (wrapt.ObjectProxy, types.FunctionType, type))
 
 
 def _sweep_copies(replacements: Dict[int, Tuple[Any, Any]]) -> None:
@@ -380,7 +390,7 @@ class Patcher:
                 before = slot.current()
                 slot.rebuild()
                 after = slot.current()
-                if inspect.ismodule(slot.container) and after is not before and not slot.tampered():
+                if inspect.ismodule(slot.container) and after is not before and _sweepable(before) and not slot.tampered():
                     replacements[id(before)] = (before, after)
                 if not slot.layers and not slot.tampered():
                     _SLOTS.pop((id(slot.container), slot.key, slot.is_item), None)

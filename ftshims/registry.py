@@ -47,6 +47,7 @@ def shims() -> Dict[str, Shim]:
     """
     global _CACHE
     if _CACHE is None:
+        _ERRORS.clear()
         loaded: Dict[str, Shim] = {}
         for shim_id in SHIM_IDS:
             try:
@@ -65,7 +66,7 @@ def shims() -> Dict[str, Shim]:
 def load_errors() -> Dict[str, str]:
     """Shim ids whose module could not be loaded, with the reason."""
     shims()
-    return dict(_ERRORS)
+    return {shim_id: reason for shim_id, reason in _ERRORS.items() if shim_id in SHIM_IDS}
 
 
 def get(shim_id: str) -> Shim:

@@ -482,3 +482,18 @@ def test_copies_made_after_patching_are_restored_by_revert(world):
     ftshims.revert()
     assert target.add is original
     assert other.add is original, "the copy made after patching still held the wrapper"
+
+
+def test_revert_of_a_replaced_constant_leaves_other_modules_alone(world):
+    """Replacing a module constant (False) and reverting must not rewrite every other module's False."""
+    import subprocess as sp
+
+    target = world.module()
+    target.FLAG = True
+    world.add_shim("const", lambda p, o: p.replace(target, "FLAG", False))
+    before = sp._mswindows
+    ftshims.apply()
+    assert target.FLAG is False
+    ftshims.revert()
+    assert target.FLAG is True
+    assert sp._mswindows is before, "an unrelated module global equal to the replaced constant was rewritten"
