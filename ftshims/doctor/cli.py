@@ -1,8 +1,9 @@
 """``python -m ftshims.doctor``: argument parsing, output and the exit code.
 
 Exit codes: 0 when no known bug affects the installed stack unpatched (every
-affected fix shim is one that ``ftshims.apply()`` installs), 1 when one does,
-2 on a usage error (argparse's own exit status).
+affected fix shim is one that ``ftshims.apply()`` installs, no probe shows a
+bug the shim leaves in place) and the setup lint found no error; 1 when one
+does; 2 on a usage error (argparse's own exit status).
 """
 
 from __future__ import annotations
@@ -14,10 +15,22 @@ import time
 from typing import List, Optional
 
 EPILOG = """\
-exit codes: 0 no known bug affects this stack unpatched; 1 a known bug stays
-unpatched even with ftshims.apply() (shim disabled, target missing or failed),
-or the shims could not be evaluated; 2 usage error. The doctor patches nothing for good: it applies the shims,
-imports the modules they patch, records what happened and reverts.
+live probes (--probe): every shim's minimal reproduction runs on a tiny model
+in child processes, without and with the shim, offline, with a time limit per
+probe; progress goes to stderr.
+
+setup lint: --model CONFIG (a config.json or its directory; the model is built
+on the meta device, no weights), --adapter (adapter_config.json), --tokenizer
+DIR, --deepspeed DS_JSON, --train-config (TrainingArguments/SFTConfig JSON or
+LLaMA-Factory YAML; its `deepspeed` file is read too). Each finding has a
+severity, a rule id, the fix and a reference.
+
+exit codes: 0 no known bug affects this stack unpatched and the lint found no
+error; 1 a known bug stays unpatched even with ftshims.apply() (shim disabled,
+target missing or failed), a probe shows a bug that the shim does not remove,
+an error-severity lint finding, or the shims could not be evaluated; 2 usage
+error. The doctor patches nothing for good: it applies the shims, imports the
+modules they patch, records what happened and reverts.
 JSON keys are documented in docs/doctor-json.md.
 """
 
@@ -25,6 +38,7 @@ JSON keys are documented in docs/doctor-json.md.
 def build_parser() -> argparse.ArgumentParser:
     from .report import SCHEMA_VERSION
     from .flashattn import DEFAULT_TIMEOUT_S
+    from .probes import DEFAULT_TIMEOUT_S as DEFAULT_PROBE_TIMEOUT_S
 
     parser = argparse.ArgumentParser(
         prog="python -m ftshims.doctor",
@@ -50,6 +64,40 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"time limit for the flash-attn import check (default {DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument("--no-flash-attn", dest="check_flash_attn", action="store_false", help="skip the flash-attn import check")
+
+    probes = parser.add_argument_group("live probes")
+    probes.add_argument("--probe", action="store_true", help="run every shim's reproduction without and with the shim")
+    probes.add_argument(
+        "--probe-all",
+        action="store_true",
+        help="also probe opt-in speed shims (their probes may compile a kernel); implies --probe",
+    )
+    probes.add_argument(
+        "--probe-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_PROBE_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"time limit per probe (default {DEFAULT_PROBE_TIMEOUT_S:g})",
+    )
+    probes.add_argument(
+        "--probe-jobs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="probes run at once (default: 2 with two or more CPUs, else 1)",
+    )
+    probes.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    lint = parser.add_argument_group("setup lint")
+    lint.add_argument("--model", metavar="CONFIG", help="model config.json (or its directory)")
+    lint.add_argument("--adapter", metavar="ADAPTER_CONFIG", help="PEFT adapter_config.json (or its directory)")
+    lint.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory")
+    lint.add_argument("--deepspeed", metavar="DS_JSON", help="DeepSpeed config JSON")
+    lint.add_argument(
+        "--train-config",
+        metavar="YAML_OR_JSON",
+        help="training config: TrainingArguments/SFTConfig as JSON, or LLaMA-Factory YAML",
+    )
     parser.set_defaults(format="text")
     return parser
 
@@ -61,6 +109,16 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {text}")
     return value
 
 
@@ -84,6 +142,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         trial_imports=args.trial_imports,
         flash_attn_timeout=args.flash_attn_timeout,
         check_flash_attn=args.check_flash_attn,
+        probe=args.probe or args.probe_all,
+        probe_all=args.probe_all,
+        probe_timeout=args.probe_timeout,
+        probe_jobs=args.probe_jobs,
+        progress=None if args.quiet else sys.stderr,
+        model=args.model,
+        adapter=args.adapter,
+        tokenizer=args.tokenizer,
+        deepspeed=args.deepspeed,
+        train_config=args.train_config,
     )
     report = collect(options, started=started)
     try:

@@ -204,21 +204,97 @@ def _fixed(s: Dict[str, Any], sep: str = " ") -> str:
     return sep + "fixed in " + ", ".join(f"{k} {v}" for k, v in s["fixed_in"].items())
 
 
+def _probe_lines(report: Dict[str, Any]) -> List[str]:
+    from .probes import bug_present_text, fixed_text
+
+    section = report["probes"]
+    out: List[str] = []
+    skipped = [r["shim_id"] for r in section["results"] if r.get("status") == "skipped"]
+    for r in section["results"]:
+        if r.get("status") in ("no probe", "skipped"):
+            continue
+        out.append(f"  {r.get('shim_id')}: bug present: {bug_present_text(r)}; fixed by the shim: {fixed_text(r)}"
+                   + (f" ({r['seconds']:.1f} s)" if isinstance(r.get("seconds"), (int, float)) else ""))
+        out.append(f"      {r.get('verdict')}: {r.get('detail', '')}")
+        if r.get("output_tail") and r.get("status") in ("crashed", "timeout", "error"):
+            out += [f"      | {line}" for line in str(r["output_tail"]).splitlines()[-5:]]
+    if skipped:
+        out.append(f"  not probed (opt-in speed shims; --probe-all): {', '.join(skipped)}")
+    return out
+
+
+def _probe_heading(report: Dict[str, Any]) -> str:
+    section = report["probes"]
+    parts = []
+    if section.get("seconds") is not None:
+        parts.append(f"{section['seconds']:.1f} s")
+    if section.get("mode"):
+        parts.append(f"{section['mode']} mode, {section.get('jobs')} at a time")
+    if section.get("timeout_s"):
+        parts.append(f"{section['timeout_s']:g} s limit each")
+    return "Probes (each shim's reproduction without and with the shim" + (f"; {', '.join(parts)}" if parts else "") + ")"
+
+
 def _v2_text(report: Dict[str, Any]) -> List[str]:
-    """Probes, advisories and findings (doctor v2); nothing when empty."""
+    """Probes, advisories and findings (doctor v2); nothing when a section is empty."""
     out: List[str] = []
     if report["probes"]["results"]:
-        out += ["", "Probes"]
-        for r in report["probes"]["results"]:
-            out.append(f"  {r.get('shim_id')}: {r.get('detail', '')}")
+        out += ["", _probe_heading(report)]
+        out += _probe_lines(report)
     if report["advisories"]:
-        out += ["", "Advisories"]
+        out += ["", "Advisories (known-bad combinations in this stack)"]
         for a in report["advisories"]:
-            out.append(f"  [{a.get('severity')}] {a.get('title')}: {a.get('remedy', '')}")
+            versions = ", ".join(f"{k} {v}" for k, v in (a.get("matched") or {}).items())
+            out.append(f"  [{a.get('severity')}] {a.get('id')}: {a.get('title')}" + (f" ({versions})" if versions else ""))
+            if a.get("symptom"):
+                out.append(f"      symptom  {a['symptom']}")
+            if a.get("remedy"):
+                out.append(f"      remedy   {a['remedy']}")
+            if a.get("refs"):
+                out.append(f"      refs     {a['refs'][0]}" + (f" (+{len(a['refs']) - 1} more)" if len(a["refs"]) > 1 else ""))
     if report["findings"]:
-        out += ["", "Findings"]
+        out += ["", "Setup lint findings"]
         for f in report["findings"]:
-            out.append(f"  [{f.get('severity')}] {f.get('message')} — fix: {f.get('fix', '')}")
+            where = " ".join(x for x in (f.get("file") or "", f"[{f['key']}]" if f.get("key") else "") if x)
+            out.append(f"  {f.get('severity', '').upper():<7} {f.get('rule')}" + (f"  ({where})" if where else ""))
+            out.append(f"      {f.get('message')}")
+            out.append(f"      fix: {f.get('fix', '')}")
+            if f.get("ref"):
+                out.append(f"      ref: {f['ref']}")
+    return out
+
+
+def _v2_markdown(report: Dict[str, Any]) -> List[str]:
+    from .probes import bug_present_text, fixed_text
+
+    out: List[str] = []
+    rows = [r for r in report["probes"]["results"] if r.get("status") not in ("no probe", "skipped")]
+    if rows:
+        out += ["", f"**{_probe_heading(report)}**", ""]
+        out += _table(
+            ["shim", "bug present", "fixed by the shim", "verdict", "detail"],
+            [[f"`{r['shim_id']}`", bug_present_text(r), fixed_text(r), r.get("verdict"), r.get("detail")] for r in rows],
+        )
+    if report["advisories"]:
+        out += ["", "**Advisories**", ""]
+        out += _table(
+            ["severity", "advisory", "matched", "remedy", "ref"],
+            [
+                [a.get("severity"), f"`{a.get('id')}` {a.get('title')}", ", ".join(f"{k} {v}" for k, v in (a.get("matched") or {}).items()),
+                 a.get("remedy"), (a.get("refs") or [None])[0]]
+                for a in report["advisories"]
+            ],
+        )
+    if report["findings"]:
+        out += ["", "**Setup lint findings**", ""]
+        out += _table(
+            ["severity", "rule", "where", "finding", "fix"],
+            [
+                [f.get("severity"), f"`{f.get('rule')}`", " ".join(x for x in (f.get("file") or "", f"`{f['key']}`" if f.get("key") else "") if x),
+                 f.get("message"), f.get("fix")]
+                for f in report["findings"]
+            ],
+        )
     return out
 
 
@@ -275,8 +351,7 @@ def to_markdown(report: Dict[str, Any]) -> str:
             ]
         )
     out += _table(["shim", "kind", "affected", "apply()", "verdict", "detail"], rows) if rows else ["none registered"]
-    for line in _v2_text(report):
-        out.append(f"**{line}**" if line in ("Probes", "Advisories", "Findings") else line)
+    out += _v2_markdown(report)
     extra = [f"- problem: `{p['id']}` {p['message']}" for p in summary.get("problems", [])]
     extra += [f"- warning: {w}" for w in summary.get("warnings", [])]
     extra += [f"- doctor error in {e['section']}: {e['error']}" for e in report["errors"]]

@@ -5,10 +5,13 @@ a step that raises (a doctor bug, or a package misbehaving in a way nobody
 foresaw) leaves its section at the documented empty value and adds an entry to
 ``errors``; the other sections and the exit code are still produced.
 
-Sections reserved for doctor v2 — ``probes``, ``advisories``, ``findings`` —
-are present and empty in v1, so that v2 fills them without reshaping the
-document; :func:`summarize` already turns error-severity findings and present,
-unfixed probe bugs into problems (exit code 1).
+Doctor v2 fills the sections v1 reserved: ``probes`` (``--probe``: every
+shim's reproduction run without and with the shim in child processes, see
+:mod:`.probes`), ``advisories`` (known-bad version combinations from
+:mod:`ftshims.advisories`, when that module is present) and ``findings`` (the
+setup lint of ``--model``/``--adapter``/``--tokenizer``/``--deepspeed``/
+``--train-config``, see :mod:`.lint`). :func:`summarize` turns unpatched
+present probe bugs and error-severity findings into problems (exit code 1).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from . import flashattn
 from .environment import error_text, ftshims_info, platform_info, python_info, torch_info
@@ -34,18 +37,39 @@ EXIT_USAGE = 2
 
 @dataclass
 class Options:
-    """What to check. v2 adds probe and lint inputs here (``probe``, ``model``, ``adapter``, ...)."""
+    """What to check: v1's environment checks, v2's live probes and the lint inputs (file paths)."""
 
     trial_imports: bool = True
     flash_attn_timeout: float = flashattn.DEFAULT_TIMEOUT_S
     check_flash_attn: bool = True
+    probe: bool = False
+    probe_timeout: float = 30.0
+    probe_jobs: Optional[int] = None
+    probe_all: bool = False
+    progress: Optional[TextIO] = field(default=None, repr=False)  # probe progress lines (the CLI: stderr)
+    model: Optional[str] = None
+    adapter: Optional[str] = None
+    tokenizer: Optional[str] = None
+    deepspeed: Optional[str] = None
+    train_config: Optional[str] = None
+
+    def lint_requested(self) -> bool:
+        return any((self.model, self.adapter, self.tokenizer, self.deepspeed, self.train_config))
 
     def to_dict(self) -> Dict[str, Any]:
         return {
             "trial_imports": self.trial_imports,
             "flash_attn_timeout": self.flash_attn_timeout,
             "check_flash_attn": self.check_flash_attn,
-            "probe": False,
+            "probe": self.probe,
+            "probe_timeout": self.probe_timeout,
+            "probe_jobs": self.probe_jobs,
+            "probe_all": self.probe_all,
+            "model": self.model,
+            "adapter": self.adapter,
+            "tokenizer": self.tokenizer,
+            "deepspeed": self.deepspeed,
+            "train_config": self.train_config,
         }
 
 
@@ -62,7 +86,18 @@ def skeleton(options: Options) -> Dict[str, Any]:
         "flash_attn": flashattn.not_installed(options.flash_attn_timeout),
         "trial": {"mode": None, "imports": [], "seconds": None},
         "shims": [],
-        "probes": {"requested": False, "seconds": None, "results": []},
+        "probes": {
+            "requested": False,
+            "seconds": None,
+            "results": [],
+            "mode": None,
+            "jobs": None,
+            "timeout_s": None,
+            "servers_started": 0,
+            "startup_s": None,
+            "preloaded": [],
+            "preload_errors": [],
+        },
         "advisories": [],
         "findings": [],
         "summary": {},
@@ -104,7 +139,10 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
     fa_row = _row(report["packages"], "flash-attn")
     fa_version = fa_row.get("version")
 
-    # Started first, collected last: the child's import overlaps the doctor's own imports.
+    # Started first, collected last: the children's imports overlap the doctor's own.
+    probe_run = None
+    if options.probe:
+        probe_run = steps.run("probes", lambda: _start_probes(options))
     check = None
     broken = fa_row.get("status") == BROKEN
     if options.check_flash_attn:
@@ -125,8 +163,22 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
             report["trial"]["mode"] = "failed; statuses from version gating only"
             report["shims"] = steps.run("shims", gating_only_rows, [])
 
+        if options.lint_requested():
+            report["findings"] = steps.run("lint", lambda: _lint(options, report), [])
+
         if check is not None:
             report["flash_attn"] = steps.run("flash_attn", lambda: check.result(env["torch"]), report["flash_attn"])
+        report["advisories"] = steps.run(
+            "advisories", lambda: advisory_rows(report["packages"], report["flash_attn"], _model_type(options)), []
+        )
+        if probe_run is not None:
+            steps.run("probes", lambda: _collect_probes(probe_run, report))
+        elif options.probe:
+            report["probes"]["requested"] = True
+    except BaseException:
+        if probe_run is not None:
+            probe_run.close()
+        raise
     finally:
         if check is not None:
             check.close()
@@ -134,6 +186,128 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
     report["summary"] = steps.run("summary", lambda: summarize(report), _fallback_summary())
     report["timing"]["total_s"] = round(time.perf_counter() - started, 2)
     return report
+
+
+def _start_probes(options: Options):
+    from . import probes
+
+    return probes.run(
+        timeout_s=options.probe_timeout, jobs=options.probe_jobs, progress=options.progress, include_speed=options.probe_all
+    )
+
+
+def _collect_probes(run, report: Dict[str, Any]) -> None:
+    results = run.results()
+    section = report["probes"]
+    section.update(run.summary())
+    section["requested"] = True
+    section["results"] = results
+    section["seconds"] = round(time.perf_counter() - run.started, 2)
+
+
+def _lint(options: Options, report: Dict[str, Any]) -> List[Dict[str, Any]]:
+    from . import lint
+
+    return lint.run(
+        lint.Inputs(
+            model=options.model,
+            adapter=options.adapter,
+            tokenizer=options.tokenizer,
+            deepspeed=options.deepspeed,
+            train_config=options.train_config,
+        ),
+        shim_rows=report["shims"],
+    )
+
+
+def _advisories_module():
+    """``ftshims.advisories`` when it exists; None while it does not (it is optional for the doctor)."""
+    try:
+        from .. import advisories
+    except ModuleNotFoundError as exc:
+        if exc.name == "ftshims.advisories":
+            return None
+        raise
+    return advisories
+
+
+def _field_of(item: Any, name: str, default: Any = None) -> Any:
+    if isinstance(item, dict):
+        return item.get(name, default)
+    return getattr(item, name, default)
+
+
+def _when_packages(when: Any) -> List[str]:
+    if isinstance(when, dict):
+        return [str(k) for k in when]
+    if isinstance(when, (list, tuple)):
+        names: List[str] = []
+        for part in when:
+            names += _when_packages(part)
+        return names
+    return []
+
+
+def _model_type(options: Options) -> Optional[str]:
+    """``model_type`` of ``--model`` (advisories for other model families then drop out), when readable."""
+    if not options.model:
+        return None
+    import json
+    import os
+
+    path = os.path.join(options.model, "config.json") if os.path.isdir(options.model) else options.model
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(value) if value else None
+
+
+def advisory_rows(
+    packages: List[Dict[str, Any]], flash_attn: Optional[Dict[str, Any]] = None, model_type: Optional[str] = None
+) -> List[Dict[str, Any]]:
+    """The advisories whose conditions this stack matches (``ftshims.advisories.matching``), as report rows."""
+    module = _advisories_module()
+    if module is None:
+        return []
+    from ..versions import installed_version
+
+    versions = {row["name"]: row.get("version") for row in packages}
+    for name in module.packages():
+        if name not in versions:
+            versions[name] = installed_version(name)
+    checks = {}
+    if flash_attn and flash_attn.get("status"):
+        checks["flash_attn_import"] = flash_attn["status"]
+    try:
+        found = module.matching(versions, checks=checks, model_type=model_type)
+    except TypeError:  # an older matching(versions) signature
+        found = module.matching(versions)
+    rows = []
+    for item in found:
+        when = _field_of(item, "when")
+        named = _when_packages(dict(when) if hasattr(when, "items") else when)
+        check = _field_of(item, "check")
+        rows.append(
+            {
+                "id": str(_field_of(item, "id", "")),
+                "title": str(_field_of(item, "title", "")),
+                "severity": str(_field_of(item, "severity", "warning")),
+                "symptom": str(_field_of(item, "symptom", "") or ""),
+                "remedy": str(_field_of(item, "remedy", "") or ""),
+                "refs": [str(r) for r in (_field_of(item, "refs") or ())],
+                "matched": {name: versions.get(name) for name in named},
+                "when": {str(k): str(v) for k, v in dict(when).items()} if hasattr(when, "items") else when,
+                "check": ({"name": getattr(check, "name", None), "status": checks.get(getattr(check, "name", ""), None)}
+                          if check is not None else None),
+                "condition": _field_of(item, "condition"),
+                "fixed_in": {str(k): str(v) for k, v in dict(_field_of(item, "fixed_in") or {}).items()},
+                "verified": [str(v) for v in (_field_of(item, "verified") or ())],
+                "related_shims": [str(r) for r in (_field_of(item, "related_shims") or ())],
+            }
+        )
+    return rows
 
 
 def _registry_packages():
@@ -164,7 +338,14 @@ def _fallback_summary() -> Dict[str, Any]:
 
 
 def _plural(n: int, word: str) -> str:
+    if n != 1 and word.endswith("y"):
+        return f"{n} {word[:-1]}ies"
     return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _probe_problem(result: Dict[str, Any]) -> bool:
+    """An unpatched present bug: it shows with the shim (disabled, not applied, out of range, or not fixing it)."""
+    return bool(result.get("bug_with_shim")) or (bool(result.get("bug_without_shim")) and result.get("fixed") is False)
 
 
 def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
@@ -188,9 +369,10 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
         problems.append(
             {"source": "doctor", "id": "shims", "message": "the shims could not be evaluated (see errors); ftshims.apply() would likely fail too"}
         )
-    # doctor v2: present and unfixed probe bugs, error-severity findings.
-    for result in report["probes"]["results"]:
-        if result.get("bug_without_shim") and not result.get("fixed"):
+    # doctor v2: present and unpatched probe bugs, error-severity findings.
+    probe_rows = report["probes"]["results"]
+    for result in probe_rows:
+        if _probe_problem(result):
             problems.append({"source": "probe", "id": result.get("shim_id"), "message": result.get("detail", "")})
     for finding in report["findings"]:
         if finding.get("severity") == "error":
@@ -215,6 +397,12 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
     fa = report["flash_attn"]
     if fa.get("ok") is False:
         warnings.append(f"flash-attn does not import ({fa['status']}); the flash-attn section says why and how to fix it")
+    for result in probe_rows:
+        if result.get("status") in ("error", "timeout", "crashed", "not run"):
+            warnings.append(f"probe {result.get('shim_id')} could not run ({result.get('status')}): {result.get('error')}")
+    for advisory in report["advisories"]:
+        if advisory.get("severity") in ("error", "warning"):
+            warnings.append(f"advisory {advisory.get('id')} ({advisory.get('severity')}): {advisory.get('title')}")
     if report["errors"]:
         warnings.append(f"{_plural(len(report['errors']), 'doctor step')} failed: {', '.join(e['section'] for e in report['errors'])}")
 
@@ -233,6 +421,28 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
             message += " Call ftshims.apply() (or import ftshims.auto) at the top of your training script; the doctor itself patched nothing."
     if opt_in:
         message += f" Opt-in speed shims available: {', '.join(opt_in)} (ftshims.apply(include=[...]))."
+    if report["probes"]["requested"]:
+        ran = [r for r in probe_rows if r.get("bug_without_shim") is not None]
+        present = [r for r in ran if r.get("bug_without_shim")]
+        fixed = [r for r in present if r.get("fixed")]
+        unpatched_probes = [r for r in probe_rows if _probe_problem(r)]
+        could_not = [r for r in probe_rows if r.get("verdict") == "could not run"]
+        message += (
+            f" Probes: {len(ran)} ran, the bug showed in {len(present)}, the shim fixed {len(fixed)}"
+            + (f", UNPATCHED: {', '.join(r['shim_id'] for r in unpatched_probes)}" if unpatched_probes else "")
+            + (f", {len(could_not)} could not run" if could_not else "")
+            + "."
+        )
+    if report["findings"]:
+        counts = {sev: sum(1 for f in report["findings"] if f.get("severity") == sev) for sev in ("error", "warning", "info")}
+        message += f" Setup lint: {counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)."
+    elif report["options"].get("model") or any(
+        report["options"].get(k) for k in ("adapter", "tokenizer", "deepspeed", "train_config")
+    ):
+        message += " Setup lint: no findings."
+    if report["advisories"]:
+        count = len(report["advisories"])
+        message += f" {_plural(count, 'advisory')} {'matches' if count == 1 else 'match'} this stack (see Advisories)."
     return {
         "exit_code": EXIT_UNPATCHED if problems else EXIT_OK,
         "known_bugs": known,

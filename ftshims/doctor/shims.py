@@ -171,6 +171,36 @@ def shim_rows(trial: Dict[str, Any], trial_imports: bool) -> List[Dict[str, Any]
                 "verdict": _verdict(spec, affected, status, import_failed, trial_imports),
             }
         )
+    rows += load_failure_rows()
+    return rows
+
+
+def load_failure_rows() -> List[Dict[str, Any]]:
+    """Registered ids whose module did not load: ``failed``/``unpatched`` (the doctor cannot vouch for them)."""
+    rows = []
+    loaded = registry.shims()
+    for shim_id, error in registry.load_errors().items():
+        if shim_id in loaded or shim_id not in registry.SHIM_IDS:
+            continue  # a stale entry (the registry was reloaded since)
+        rows.append(
+            {
+                "id": shim_id,
+                "title": f"{shim_id} (its module did not load)",
+                "kind": "fix",
+                "symptom": "",
+                "requires": {},
+                "fixed_in": {},
+                "refs": [],
+                "versions": {},
+                "affected": True,
+                "range": "unknown: the shim module did not load, so its range cannot be read",
+                "status": FAILED,
+                "reason": error,
+                "patched": [],
+                "notes": [],
+                "verdict": UNPATCHED,
+            }
+        )
     return rows
 
 

@@ -1,0 +1,572 @@
+"""The lint rules over the model, the adapter, the tokenizer and the training recipe.
+
+Each ``check_*`` function reads the :class:`~ftshims.doctor.lint.Context` and
+adds findings; :func:`ftshims.doctor.lint.run` calls each one in a guard, so a
+rule that raises costs its own findings only (reported as ``lint-rule-failed``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Dict, List, Optional
+
+from . import llamafactory as lf
+from .findings import ERROR, INFO, WARNING, finding
+from .inputs import as_bool
+from .model import match_targets, max_positions
+
+# -- adapter / PEFT -------------------------------------------------------------------------------
+
+
+def check_adapter_keys(ctx) -> None:
+    adapter = ctx.adapter
+    if adapter is None:
+        return
+    fields, cls_name = ctx.peft_config_fields(adapter.get("peft_type", "LORA"))
+    if not fields:
+        return
+    unknown = sorted(k for k in adapter if k not in fields and not k.startswith("_"))
+    if not unknown:
+        return
+    ctx.add(
+        finding(
+            "adapter-config-unknown-key",
+            f"{cls_name} of the installed PEFT {ctx.versions.get('peft')} has no field(s) {', '.join(unknown)} (the "
+            "adapter was saved by another PEFT version?). Older PEFT raises TypeError on load; newer PEFT drops "
+            "unknown keys with a warning, so the setting silently does nothing.",
+            "install the PEFT version that wrote the adapter (see `peft_version`/the release notes), or remove the keys",
+            file=ctx.adapter_path,
+            key=", ".join(unknown),
+        )
+    )
+
+
+def _targets(ctx):
+    """``(targets, where, file)``: the adapter's target_modules, else the training config's LoRA targets."""
+    if ctx.adapter is not None and ctx.adapter.get("peft_type", "LORA") in ("LORA", "ADALORA", None):
+        return ctx.adapter.get("target_modules"), "target_modules", ctx.adapter_path
+    if ctx.train is not None:
+        targets, key = ctx.train.lora_targets()
+        if targets is not None:
+            return targets, key, ctx.train.path
+    return None, None, None
+
+
+def check_lora_targets(ctx) -> None:
+    targets, key, path = _targets(ctx)
+    if key is None:
+        return
+    info = ctx.model_info()
+    if info is None:
+        return
+    names = list(info.modules)
+    linear = info.linear_suffixes()
+    suggestion = ", ".join(linear) if linear else "(none)"
+    if targets is None:
+        default = ctx.peft_default_targets(info.model_type)
+        if default is None:
+            ctx.add(
+                finding(
+                    "lora-target-no-match",
+                    f"`{key}` is not set and PEFT has no default target modules for model_type {info.model_type!r}: "
+                    "get_peft_model raises \"Please specify `target_modules` in `peft_config`\".",
+                    f"set `{key}` to some of the model's linear layers: {suggestion}",
+                    file=path,
+                    key=key,
+                )
+            )
+            return
+        targets = default
+    if targets in ("all-linear", ["all"], ["all-linear"]):
+        if not linear:
+            ctx.add(finding("lora-target-no-match", f"`{key}: {targets}` but {info.class_name} has no linear layer", "use another adapter type", file=path, key=key))
+        return
+    matches = match_targets(targets, names)
+    matched = sorted({name for hits in matches.values() for name in hits})
+    if not matched:
+        shown = targets if isinstance(targets, str) else list(targets)
+        ctx.add(
+            finding(
+                "lora-target-no-match",
+                f"`{key}` {shown!r} matches no module of {info.class_name}; get_peft_model raises \"Target modules "
+                f"... not found in the base model\". Its linear layers: {suggestion}.",
+                f"use names from: {suggestion}" + _close(targets, linear),
+                file=path,
+                key=key,
+            )
+        )
+        return
+    if not isinstance(targets, str):
+        missing = [t for t, hits in matches.items() if not hits]
+        if missing:
+            ctx.add(
+                finding(
+                    "lora-target-partial-match",
+                    f"`{key}` entr{'y' if len(missing) == 1 else 'ies'} {', '.join(repr(m) for m in missing)} "
+                    f"match{'es' if len(missing) == 1 else ''} no module of {info.class_name}; PEFT drops {'it' if len(missing) == 1 else 'them'} silently because "
+                    f"other entries match, so those layers get no adapter.{_close(missing, linear)} Linear layers: {suggestion}.",
+                    "fix the spelling" + _close(missing, linear, as_fix=True),
+                    file=path,
+                    key=key,
+                )
+            )
+    bad = [info.modules[name] for name in matched if not info.modules[name].lora_ok]
+    if bad:
+        kinds = sorted({m.type for m in bad})
+        children = sorted({c for m in bad for c in m.children_linear})
+        examples = ", ".join(m.name for m in bad[:3]) + (" ..." if len(bad) > 3 else "")
+        ctx.add(
+            finding(
+                "lora-target-unsupported-module",
+                f"`{key}` matches {len(bad)} module(s) LoRA cannot wrap ({', '.join(kinds)}: {examples}); "
+                "get_peft_model raises \"Target module ... is not supported\". LoRA wraps Linear, Conv1D/Conv2d/Conv3d, "
+                "Embedding and MultiheadAttention layers.",
+                "target the linear layers inside them instead: " + (", ".join(children) if children else suggestion),
+                file=path,
+                key=key,
+            )
+        )
+
+
+def _close(targets: Any, choices: List[str], as_fix: bool = False) -> str:
+    if isinstance(targets, str):
+        targets = [targets]
+    pairs = []
+    for target in targets:
+        close = difflib.get_close_matches(str(target).rsplit(".", 1)[-1], choices, n=1, cutoff=0.6)
+        if close:
+            pairs.append(f"{target!r} → {close[0]!r}")
+    if not pairs:
+        return ""
+    return (": " if as_fix else " Did you mean ") + ", ".join(pairs) + ("" if as_fix else "?")
+
+
+def check_modules_to_save_tied(ctx) -> None:
+    info = ctx.model_info()
+    if info is None or not info.tied:
+        return
+    saved: List[str] = []
+    where, path = None, None
+    if ctx.adapter is not None:
+        saved = [str(m) for m in (ctx.adapter.get("modules_to_save") or [])]
+        targets = ctx.adapter.get("target_modules")
+        if isinstance(targets, (list, tuple)):
+            saved += [str(t) for t in targets]
+        where, path = "modules_to_save / target_modules", ctx.adapter_path
+        if as_bool(ctx.adapter.get("ensure_weight_tying")):
+            return
+    elif ctx.train is not None:
+        names, key = ctx.train.modules_to_save()
+        saved = names or []
+        where, path = key, ctx.train.path
+    tied_names = {n for n in (info.input_embeddings, info.output_embeddings) if n}
+    hits = sorted({s for s in saved for n in tied_names if n == s or n.endswith("." + s)})
+    if not hits:
+        return
+    peft = ctx.versions.get("peft")
+    has_tying = ctx.peft_has_field("LORA", "ensure_weight_tying")
+    ctx.add(
+        finding(
+            "modules-to-save-tied",
+            f"{', '.join(hits)} {'is' if len(hits) == 1 else 'are'} tied (tie_word_embeddings: the input embedding and "
+            f"lm_head share one weight), but `{where}` trains {'it' if len(hits) == 1 else 'them'} as separate copies: "
+            "the two drift apart, and a merged or re-loaded model re-ties them, silently dropping one trained copy.",
+            (
+                "set `ensure_weight_tying: true` in the LoraConfig"
+                if has_tying
+                else f"PEFT {peft} has no `ensure_weight_tying` (added in 0.18): train only `embed_tokens` (it drives both), "
+                "or untie the model first (tie_word_embeddings=False and copy the weight)"
+            ),
+            file=path,
+            key=where,
+        )
+    )
+
+
+# -- tokenizer ---------------------------------------------------------------------------------------
+
+
+SFT_KEYS = ("packing", "max_seq_length", "max_length", "dataset_text_field", "assistant_only_loss", "completion_only_loss",
+            "padding_free", "packing_strategy", "dataset_kwargs", "model_init_kwargs")
+
+
+def _trl_masks_pad(ctx) -> bool:
+    """Whether the run's LM collator sets labels[input_ids == pad_id] = -100: transformers'
+    DataCollatorForLanguageModeling (plain Trainer scripts, and TRL SFTTrainer < 0.17) does; TRL >= 0.17's own
+    collator pads labels by position. Without a TRL SFT config the trainer is unknown: assume it masks."""
+    sft = ctx.train is not None and not ctx.train.is_lf and any(k in ctx.train.data for k in SFT_KEYS)
+    if not sft or not ctx.versions.get("trl"):
+        return True
+    return ctx.version_lt("trl", "0.17")
+
+
+def check_tokenizer_pad(ctx) -> None:
+    tok = ctx.tokenizer_info()
+    if tok is None:
+        return
+    lf_run = ctx.train is not None and ctx.train.is_lf
+    if tok["pad_token"] is None:
+        if lf_run:
+            severity, consequence = INFO, (
+                "LLaMA-Factory sets pad = eos itself (template.fix_special_tokens); harmless there, because its labels "
+                "come from the template and padding is labelled -100 by position."
+            )
+        else:
+            severity, consequence = WARNING, (
+                "batching with padding raises \"Asking to pad but the tokenizer does not have a padding token\"; the "
+                "common fix `tokenizer.pad_token = tokenizer.eos_token` (which TRL < 0.17 SFTTrainer also applies) makes "
+                "transformers' DataCollatorForLanguageModeling mask every EOS label, so the model never learns to stop."
+            )
+        ctx.add(
+            finding(
+                "tokenizer-no-pad",
+                f"the tokenizer in {ctx.inputs.tokenizer} has no pad token: {consequence}",
+                "add a dedicated pad token (an unused reserved token, e.g. `<|finetune_right_pad_id|>` on Llama 3, or "
+                "tokenizer.add_special_tokens({'pad_token': '<pad>'}) + model.resize_token_embeddings) and set "
+                "model.config.pad_token_id",
+                severity=severity,
+                file=ctx.inputs.tokenizer,
+            )
+        )
+        return
+    if lf_run or tok["eos_token"] is None:
+        return
+    same = tok["pad_token"] == tok["eos_token"] or (
+        tok["pad_token_id"] is not None and tok["pad_token_id"] == tok["eos_token_id"]
+    )
+    if not same:
+        return
+    masks = _trl_masks_pad(ctx)
+    if masks:
+        severity = WARNING
+        who = (
+            f"TRL {ctx.versions.get('trl')} SFTTrainer and transformers' DataCollatorForLanguageModeling"
+            if ctx.versions.get("trl") and ctx.version_lt("trl", "0.17")
+            else "transformers' DataCollatorForLanguageModeling (plain Trainer scripts; TRL < 0.17 SFTTrainer)"
+        )
+        consequence = f"{who} set labels[input_ids == pad_token_id] = -100, so every EOS label is masked and the model never learns to stop."
+    else:
+        severity = INFO
+        consequence = (
+            f"TRL {ctx.versions.get('trl')} SFTTrainer pads labels by position (safe), but transformers' "
+            "DataCollatorForLanguageModeling, used by plain Trainer scripts, still masks every EOS label."
+        )
+    ctx.add(
+        finding(
+            "pad-is-eos",
+            f"pad token == eos token ({tok['pad_token']!r}): {consequence}",
+            "use a distinct pad token (an unused reserved token, or add '<pad>' and resize the embeddings), or a "
+            "collator that masks padding by position (DataCollatorForSeq2Seq with label_pad_token_id=-100)",
+            severity=severity,
+            file=ctx.inputs.tokenizer,
+        )
+    )
+
+
+def check_chat_template(ctx) -> None:
+    train = ctx.train
+    if train is None:
+        return
+    tok = ctx.tokenizer_info()
+    if train.is_lf:
+        template = train.get("template")
+        if template is not None:
+            if str(template) not in lf.TEMPLATES:
+                close = difflib.get_close_matches(str(template), sorted(lf.TEMPLATES), n=2, cutoff=0.6)
+                ctx.add(
+                    finding(
+                        "chat-template-missing",
+                        f"`template: {template}` is not a LLaMA-Factory {lf.VERSION} template; get_template_and_fix_tokenizer "
+                        f"raises \"Template {template} does not exist\"."
+                        + (f" Did you mean {' or '.join(close)}?" if close else ""),
+                        "use a registered template name (llamafactory/data/template.py), e.g. " + (close[0] if close else "llama3"),
+                        file=train.path,
+                        key="template",
+                    )
+                )
+            return
+        if tok is None or str(train.get("stage", lf.DEFAULTS["stage"])) == "pt":
+            return
+        if not tok["chat_template"]:
+            ctx.add(
+                finding(
+                    "chat-template-missing",
+                    "no `template` is set and the tokenizer has no chat template: LLaMA-Factory falls back to its "
+                    "`empty` template, so conversations are trained without role markers or turn separators.",
+                    "set `template` to the model's LLaMA-Factory template (e.g. llama3, qwen, mistral)",
+                    file=train.path,
+                    key="template",
+                )
+            )
+        return
+    if tok is None:
+        return
+    wants = []
+    if as_bool(train.get("assistant_only_loss")):
+        wants.append("assistant_only_loss: true")
+    if str(train.get("dataset_text_field", "")) in ("messages", "conversations"):
+        wants.append(f"dataset_text_field: {train.get('dataset_text_field')}")
+    if train.get("chat_template_path"):
+        return  # TRL loads the template from there
+    if not wants:
+        return
+    if not tok["chat_template"]:
+        ctx.add(
+            finding(
+                "chat-template-missing",
+                f"a chat format is configured ({', '.join(wants)}) but the tokenizer has no chat template: "
+                "apply_chat_template raises \"Cannot use chat template functions because tokenizer.chat_template is not set\" "
+                "(transformers >= 4.44; older versions silently used a generic class default).",
+                "add the model's chat template to tokenizer_config.json (`chat_template`), or set `chat_template_path`",
+                severity=ERROR if "assistant_only_loss: true" in wants else WARNING,
+                file=ctx.inputs.tokenizer,
+                key="chat_template",
+            )
+        )
+    elif "assistant_only_loss: true" in wants and "generation" not in tok["chat_template"]:
+        ctx.add(
+            finding(
+                "chat-template-missing",
+                "assistant_only_loss: true needs a chat template with {% generation %} markers to find the assistant "
+                "tokens; this tokenizer's template has none (TRL raises, or trains on nothing).",
+                "use a template with {% generation %} / {% endgeneration %} around assistant content (set chat_template_path)",
+                file=ctx.inputs.tokenizer,
+                key="chat_template",
+            )
+        )
+
+
+# -- sequence length ---------------------------------------------------------------------------------
+
+
+def check_seq_len(ctx) -> None:
+    if ctx.train is None or ctx.model_config is None:
+        return
+    length, key, explicit = ctx.train.seq_len()
+    limit, limit_key = max_positions(ctx.model_config)
+    if not length or not limit or length <= limit:
+        return
+    info = ctx.model_info()
+    kind = info.positions if info is not None else ("rope" if "rope_theta" in ctx.model_config else "other")
+    source = f"`{key}: {length}`" + ("" if explicit else f" (LLaMA-Factory's default {key})")
+    if kind == "learned":
+        severity = ERROR
+        why = (
+            f"this model has {limit} learned position embeddings ({limit_key}): a longer sequence fails inside the "
+            "forward pass (IndexError on CPU, a device-side assert that poisons the CUDA context on GPU)."
+        )
+    elif kind == "rope":
+        lf_scaling = ctx.train.is_lf and ctx.train.get("rope_scaling")
+        severity = INFO if lf_scaling else WARNING
+        why = (
+            f"RoPE models run past {limit_key} = {limit} without an error, but quality degrades beyond the trained length."
+            + (f" LLaMA-Factory's `rope_scaling: {ctx.train.get('rope_scaling')}` scales RoPE by "
+               f"ceil({length}/{limit}) for this run." if lf_scaling else "")
+        )
+    else:
+        return  # ALiBi / relative positions: no hard limit
+    ctx.add(
+        finding(
+            "seq-len-exceeds-positions",
+            f"{source} exceeds {limit_key} = {limit}: {why}",
+            f"set `{key}` <= {limit}"
+            + ("" if kind == "learned" else ", or configure RoPE scaling (rope_scaling) for the longer context"),
+            severity=severity,
+            file=ctx.train.path,
+            key=key,
+        )
+    )
+
+
+# -- training recipe x installed stack ------------------------------------------------------------------
+
+FLASH = ("flash_attention_2", "flash_attention_3")
+
+
+def _effective_attn(ctx, attn: Optional[str]) -> str:
+    if attn:
+        return attn
+    return "sdpa" if not ctx.version_lt("transformers", "4.36") else "eager"
+
+
+def _shim_sentence(state: Dict[str, Any]) -> str:
+    if state["applies"]:
+        return (
+            f"ftshims' `{state['id']}` shim fixes it when ftshims.apply() runs in the training process "
+            "(or `import ftshims.auto`; FTSHIMS_AUTO=1 for launchers)"
+        )
+    return f"ftshims' `{state['id']}` shim would fix it but is not applied here: {state['why']}"
+
+
+def check_packing(ctx) -> None:
+    train = ctx.train
+    if train is None:
+        return
+    pack = train.packing()
+    if not pack["enabled"] and not pack["padding_free"]:
+        return
+    attn, attn_from = train.attn_implementation(ctx.model_config)
+    attn = _effective_attn(ctx, attn)
+    key = pack["key"]
+    tv = ctx.versions.get("transformers")
+
+    def report(message: str, fix: str, severity: str, shim: Optional[str] = None) -> None:
+        if shim is not None:
+            state = ctx.shim_state(shim)
+            if state["registered"] and state["affected"]:
+                message += " " + _shim_sentence(state) + "."
+                severity = INFO if state["applies"] else ERROR
+        ctx.add(finding("packing-contamination", message, fix, severity=severity, file=train.path, key=key))
+
+    if train.is_lf:
+        if pack["neat"]:
+            return  # block-diagonal 4D mask (eager/sdpa) or varlen with batch size 1 (flash): isolated
+        head = f"LLaMA-Factory packing without `neat_packing` ({attn_from} → {attn}) concatenates examples with an all-ones attention mask"
+        if attn in FLASH:
+            report(head + ": flash attention then treats each packed row as one sequence, so packed examples attend to each other.",
+                   "set `neat_packing: true` (isolated packing), or `packing: false`", WARNING)
+        else:
+            report(
+                head + f" and per-example position_ids; transformers {tv} does not isolate the examples under {attn} "
+                "when a 2D mask is passed, so packed examples attend to each other.",
+                "set `neat_packing: true` (LLaMA-Factory builds a block-diagonal mask), or `packing: false`",
+                WARNING,
+                shim="packing_block_mask",
+            )
+        return
+
+    trl = ctx.versions.get("trl")
+    strategy = str(pack["strategy"] or "").lower() or None
+    if pack["enabled"] and trl is not None:
+        if strategy == "wrapped" or ctx.version_lt("trl", "0.19"):
+            packer = (
+                "ConstantLengthDataset" if ctx.version_lt("trl", "0.15")
+                else "pack_examples" if ctx.version_lt("trl", "0.16")
+                else "pack_dataset(strategy='wrapped')"
+            )
+            report(
+                f"packing: true with TRL {trl} uses {packer}, which concatenates examples into fixed-length rows and "
+                "keeps no example boundaries: packed examples attend to each other (and are cut at row edges), by "
+                "design; no mask or shim can undo it.",
+                "upgrade to TRL >= 0.19 and use packing_strategy: bfd (\"ffd\" on 0.19), or packing: false",
+                WARNING,
+            )
+            return
+    if attn in FLASH:
+        return  # TRL >= 0.19 sends per-example position_ids for flash attention: varlen kernels isolate them
+    if trl is not None and not ctx.version_lt("trl", "0.19") and ctx.version_lt("trl", "0.23.1"):
+        report(
+            f"{'packing' if pack['enabled'] else 'padding_free'} with TRL {trl} and {attn} attention: the padding-free "
+            "collator flattens examples into one row with an all-ones mask and no position_ids (TRL only emits them "
+            "for flash attention), so packed examples attend to each other and labels cross example boundaries.",
+            "upgrade TRL to >= 0.23.1, or use flash_attention_2",
+            WARNING,
+            shim="trl_padding_free_position_ids",
+        )
+        return
+    # TRL >= 0.23.1 (or no TRL): per-example position_ids, no mask; transformers isolates them itself from 4.53.1
+    # (PR #39194) when no cache is used, and on 4.53.1-4.57 only with torch >= 2.6.
+    old_tf = ctx.version_lt("transformers", "4.53.1")
+    old_torch = (not old_tf) and ctx.version_lt("transformers", "5.0") and ctx.version_lt("torch", "2.6")
+    if trl is None:
+        reason = (
+            f"packed rows need an explicit block mask under {attn}; transformers {tv} "
+            + ("has no packed-sequence detection for eager/sdpa (added in 4.53.1)" if old_tf
+               else "detects packing only when no 2D attention_mask and no cache are passed (a plain Trainer keeps "
+               "the model's use_cache=True on 4.x)")
+        )
+    elif old_tf:
+        reason = f"transformers {tv} has no packed-sequence detection for {attn} (added in 4.53.1, PR #39194)"
+    elif old_torch:
+        reason = f"transformers {tv} skips packed-sequence detection silently with torch {ctx.versions.get('torch')} (< 2.6)"
+    else:
+        return
+    report(
+        f"{'packing' if pack['enabled'] else 'padding_free'} with {attn} attention: {reason}, so packed examples attend to each other.",
+        "use flash_attention_2, or a transformers/torch pair that isolates packed rows (>= 4.53.1 with torch >= 2.6)",
+        WARNING,
+        shim="packing_block_mask",
+    )
+
+
+def check_gc_peft(ctx) -> None:
+    train = ctx.train
+    if train is None:
+        return
+    enabled, reentrant = train.gradient_checkpointing()
+    if not enabled or reentrant is False:
+        return
+    if not (train.uses_peft() or ctx.adapter is not None):
+        return
+    if train.is_lf:
+        return  # LLaMA-Factory's own checkpointing function marks the block inputs as requiring grad
+    state = ctx.shim_state("lora_reentrant_checkpointing")
+    if not state["registered"] or not state["affected"]:
+        return
+    base = (
+        f"gradient_checkpointing with PEFT on transformers {ctx.versions.get('transformers')}: checkpointing is "
+        "reentrant (use_reentrant " + ("true" if reentrant else "not set: transformers 4.x uses True") + ") and "
+        "the frozen embeddings give the checkpointed blocks no input that requires grad, so LoRA weights get no "
+        "gradient (\"element 0 of tensors does not require grad\", or silently all-None grads). TRL SFTTrainer given "
+        "a peft_config (TRL >= 0.7.5) installs the input-grad hook itself; plain Trainer does not."
+    )
+    if state["applies"]:
+        severity, extra = INFO, " " + _shim_sentence(state) + "."
+    else:
+        severity, extra = ERROR, " " + _shim_sentence(state) + "."
+    ctx.add(
+        finding(
+            "gc-peft-reentrant",
+            base + extra,
+            "set gradient_checkpointing_kwargs: {\"use_reentrant\": false}, or call model.enable_input_require_grads() "
+            "before training, or run ftshims.apply()",
+            severity=severity,
+            file=train.path,
+            key="gradient_checkpointing",
+        )
+    )
+
+
+def check_train_keys(ctx) -> None:
+    train = ctx.train
+    if train is None:
+        return
+    known, what = ctx.train_known_keys()
+    if not known:
+        return
+    unknown = [k for k in train.data if k not in known]
+    if not unknown:
+        return
+    if train.is_lf:
+        consequence = (
+            "LLaMA-Factory parses its config with allow_extra_keys=False and stops with \"Some keys are not used by "
+            "the HfArgumentParser\" (unless ALLOW_EXTRA_ARGS=1)"
+        )
+    else:
+        consequence = "TrainingArguments(**config) raises TypeError, and HfArgumentParser rejects the key"
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(k, sorted(known), n=1, cutoff=0.75)
+        hints.append(f"{k} (did you mean {close[0]}?)" if close else k)
+    ctx.add(
+        finding(
+            "train-config-unknown-key",
+            f"not {what}: {', '.join(hints)}. {consequence}.",
+            "fix or remove the key(s)",
+            file=train.path,
+            key=", ".join(unknown),
+        )
+    )
+
+
+CHECKS = (
+    check_train_keys,
+    check_adapter_keys,
+    check_lora_targets,
+    check_modules_to_save_tied,
+    check_tokenizer_pad,
+    check_chat_template,
+    check_seq_len,
+    check_packing,
+    check_gc_peft,
+)

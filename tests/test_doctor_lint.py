@@ -1,0 +1,337 @@
+"""Setup lint (``--model/--adapter/--tokenizer/--deepspeed/--train-config``): every rule fires on a fixture made to
+trigger it and stays silent on one that does not. Fixtures: tests/fixtures/lint/ (tiny configs; the models are
+built on the meta device from config.json, tokenizers are tiny WordLevel ones)."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftshims.doctor import cli, lint
+from ftshims.doctor.lint import findings as findings_mod
+from ftshims.doctor.lint import rules as rules_mod
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "lint"
+LLAMA = str(FIX / "models" / "llama_tiny")
+GPT2 = str(FIX / "models" / "gpt2_tiny")
+
+
+def p(*parts: str) -> str:
+    return str(FIX.joinpath(*parts))
+
+
+def run(**inputs):
+    shim_rows = inputs.pop("shim_rows", None)
+    return lint.run(lint.Inputs(**inputs), shim_rows=shim_rows)
+
+
+def rules_of(found, rule=None):
+    return [f for f in found if rule is None or f["rule"] == rule]
+
+
+# (rule, trigger inputs, clean inputs, expected severity of the trigger)
+CASES = [
+    ("file-unreadable", dict(adapter=p("adapters", "broken.json")), dict(adapter=p("adapters", "ok.json")), "error"),
+    ("file-unreadable", dict(deepspeed=p("ds", "missing.json")), dict(deepspeed=p("ds", "ok_z3.json")), "error"),
+    ("file-unreadable", dict(train_config=p("train", "broken.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "error"),
+    ("file-unreadable", dict(tokenizer=p("tokenizers", "nope")), dict(tokenizer=p("tokenizers", "pad_ok")), "error"),
+    ("model-config-invalid", dict(model=p("models", "unknown_type")), dict(model=LLAMA), "error"),
+    ("model-config-invalid", dict(model=p("models", "no_type")), dict(model=GPT2), "error"),
+    ("train-config-unknown-key", dict(train_config=p("train", "lf_unknown_key.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "warning"),
+    ("train-config-unknown-key", dict(train_config=p("train", "hf_unknown_key.json")), dict(train_config=p("train", "hf_mismatch.json")), "warning"),
+    ("adapter-config-unknown-key", dict(adapter=p("adapters", "unknown_key.json")), dict(adapter=p("adapters", "ok.json")), "warning"),
+    ("lora-target-no-match", dict(model=LLAMA, adapter=p("adapters", "no_match.json")), dict(model=LLAMA, adapter=p("adapters", "ok.json")), "error"),
+    ("lora-target-no-match", dict(model=LLAMA, adapter=p("adapters", "regex_no_match.json")), dict(model=GPT2, adapter=p("adapters", "gpt2_ok.json")), "error"),
+    ("lora-target-partial-match", dict(model=LLAMA, adapter=p("adapters", "typo.json")), dict(model=LLAMA, adapter=p("adapters", "ok.json")), "warning"),
+    ("lora-target-partial-match", dict(model=LLAMA, train_config=p("train", "lf_lora_target_typo.yaml")), dict(model=LLAMA, train_config=p("train", "lf_ok.yaml")), "warning"),
+    ("lora-target-unsupported-module", dict(model=LLAMA, adapter=p("adapters", "blocks.json")), dict(model=LLAMA, adapter=p("adapters", "ok.json")), "error"),
+    ("modules-to-save-tied", dict(model=GPT2, adapter=p("adapters", "gpt2_tied.json")), dict(model=GPT2, adapter=p("adapters", "gpt2_ok.json")), "warning"),
+    ("tokenizer-load-failed", dict(tokenizer=p("tokenizers", "broken")), dict(tokenizer=p("tokenizers", "no_pad")), "error"),
+    ("tokenizer-no-pad", dict(tokenizer=p("tokenizers", "no_pad")), dict(tokenizer=p("tokenizers", "pad_ok")), "warning"),
+    ("tokenizer-no-pad", dict(tokenizer=p("tokenizers", "no_pad"), train_config=p("train", "lf_ok.yaml")), dict(tokenizer=p("tokenizers", "pad_eos"), train_config=p("train", "lf_ok.yaml")), "info"),
+    ("pad-is-eos", dict(tokenizer=p("tokenizers", "pad_eos")), dict(tokenizer=p("tokenizers", "pad_ok")), "warning"),
+    ("chat-template-missing", dict(tokenizer=p("tokenizers", "no_pad"), train_config=p("train", "hf_chat.json")), dict(tokenizer=p("tokenizers", "pad_ok"), train_config=p("train", "hf_chat.json")), "error"),
+    ("chat-template-missing", dict(tokenizer=p("tokenizers", "no_pad"), train_config=p("train", "lf_no_template.yaml")), dict(tokenizer=p("tokenizers", "pad_ok"), train_config=p("train", "lf_no_template.yaml")), "warning"),
+    ("chat-template-missing", dict(train_config=p("train", "lf_bad_template.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "warning"),
+    ("seq-len-exceeds-positions", dict(model=GPT2, train_config=p("train", "lf_long.yaml")), dict(model=GPT2, train_config=p("train", "lf_ok.yaml")), "error"),
+    ("seq-len-exceeds-positions", dict(model=LLAMA, train_config=p("train", "hf_long.json")), dict(model=LLAMA, train_config=p("train", "hf_ok.json")), "warning"),
+    ("ds-unknown-key", dict(deepspeed=p("ds", "unknown.json")), dict(deepspeed=p("ds", "ok_z3.json")), "error"),
+    ("ds-misplaced-key", dict(deepspeed=p("ds", "misplaced.json")), dict(deepspeed=p("ds", "ok_z3.json")), "error"),
+    ("ds-misplaced-key", dict(deepspeed=p("ds", "misplaced_params.json")), dict(deepspeed=p("ds", "mismatch.json")), "error"),
+    ("ds-zero3-device-map", dict(train_config=p("train", "hf_zero3_load.json")), dict(train_config=p("train", "lf_ok.yaml")), "error"),
+    ("ds-offload-stage", dict(deepspeed=p("ds", "offload_stage.json")), dict(deepspeed=p("ds", "ok_z3.json")), "error"),
+    ("ds-offload-stage", dict(deepspeed=p("ds", "offload_stage0.json")), dict(deepspeed=p("ds", "misplaced_params.json")), "error"),
+    ("ds-fp16-bf16-both", dict(deepspeed=p("ds", "both_precisions.json")), dict(deepspeed=p("ds", "ok_z3.json")), "error"),
+    ("ds-train-mismatch", dict(deepspeed=p("ds", "mismatch.json"), train_config=p("train", "hf_mismatch.json")), dict(deepspeed=p("ds", "ok_z3.json"), train_config=p("train", "hf_mismatch.json")), "error"),
+    ("packing-contamination", dict(train_config=p("train", "lf_packing_fa2.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "warning"),
+]
+
+
+@pytest.mark.parametrize("rule,trigger,clean,severity", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_rule_triggers_and_stays_silent(rule, trigger, clean, severity):
+    hits = rules_of(run(**trigger), rule)
+    assert hits, f"{rule} did not fire on {trigger}"
+    assert severity in {h["severity"] for h in hits}, hits
+    for hit in hits:
+        assert hit["message"] and hit["fix"] and hit["ref"], hit
+        assert set(hit) == {"rule", "severity", "message", "fix", "ref", "file", "key"}
+    assert not rules_of(run(**clean), rule), f"{rule} fired on the clean fixture {clean}"
+
+
+def test_every_rule_has_a_trigger_and_a_clean_case():
+    covered = {case[0] for case in CASES} | {"yaml-unsupported", "gc-peft-reentrant", "lint-rule-failed"}
+    assert covered == set(findings_mod.RULES)
+
+
+# -- rules whose trigger depends on the stack or the environment ------------------------------------
+
+LORA_SHIM = "lora_reentrant_checkpointing"
+
+
+@pytest.mark.parametrize(
+    "verdict,severity", [("unpatched", "error"), ("patched", "info")], ids=["shim-not-applied", "shim-applied"]
+)
+def test_gc_peft_reentrant(verdict, severity):
+    rows = [{"id": LORA_SHIM, "affected": True, "verdict": verdict, "status": "disabled" if verdict == "unpatched" else "applied",
+             "reason": "disabled by FTSHIMS_DISABLE" if verdict == "unpatched" else "transformers 4.57.6"}]
+    hits = rules_of(run(train_config=p("train", "hf_gc.json"), adapter=p("adapters", "ok.json"), shim_rows=rows), "gc-peft-reentrant")
+    assert [h["severity"] for h in hits] == [severity]
+    assert "use_reentrant" in hits[0]["fix"]
+    if verdict == "unpatched":
+        assert "not applied here: disabled" in hits[0]["message"]
+    # clean: non-reentrant checkpointing; LLaMA-Factory (its own checkpointing function); a stack outside the range
+    assert not rules_of(run(train_config=p("train", "hf_ok.json"), adapter=p("adapters", "ok.json"), shim_rows=rows), "gc-peft-reentrant")
+    assert not rules_of(run(train_config=p("train", "lf_gc.yaml"), shim_rows=rows), "gc-peft-reentrant")
+    outside = [dict(rows[0], affected=False, verdict="not affected")]
+    assert not rules_of(run(train_config=p("train", "hf_gc.json"), adapter=p("adapters", "ok.json"), shim_rows=outside), "gc-peft-reentrant")
+
+
+def test_gc_peft_reentrant_from_the_registry_on_this_stack():
+    """Without the doctor's rows the registry decides: it fires exactly where the shim's range says so."""
+    from ftshims.probing import in_affected_range
+
+    hits = rules_of(run(train_config=p("train", "hf_gc.json"), adapter=p("adapters", "ok.json")), "gc-peft-reentrant")
+    assert bool(hits) == in_affected_range(LORA_SHIM)[0]
+
+
+def test_yaml_without_pyyaml_is_an_info_finding(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_yaml(name, *args, **kwargs):
+        if name == "yaml":
+            raise ImportError("no yaml here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_yaml)
+    monkeypatch.delitem(sys.modules, "yaml", raising=False)
+    found = run(train_config=p("train", "lf_ok.yaml"))
+    assert [f["rule"] for f in found] == ["yaml-unsupported"] and found[0]["severity"] == "info"
+    assert not rules_of(run(train_config=p("train", "hf_ok.json")), "yaml-unsupported")  # JSON needs no PyYAML
+
+
+def test_a_rule_that_raises_is_reported_and_the_others_run(monkeypatch):
+    def broken(ctx):
+        raise RuntimeError("rule bug")
+
+    monkeypatch.setattr(rules_mod, "CHECKS", (broken,) + tuple(rules_mod.CHECKS))
+    found = run(model=LLAMA, adapter=p("adapters", "typo.json"))
+    failed = rules_of(found, "lint-rule-failed")
+    assert len(failed) == 1 and "RuntimeError: rule bug" in failed[0]["message"]
+    assert rules_of(found, "lora-target-partial-match")  # the other rules still ran
+    monkeypatch.undo()
+    assert not rules_of(run(model=LLAMA, adapter=p("adapters", "ok.json")), "lint-rule-failed")
+
+
+# -- packing x versions (the registry's packing shims) ----------------------------------------------
+
+
+def with_versions(monkeypatch, **versions):
+    import ftshims.versions as v
+
+    real = v.installed_versions
+
+    def fake(names):
+        out = real(names)
+        out.update({k.replace("_", "-"): val for k, val in versions.items()})
+        return out
+
+    monkeypatch.setattr(v, "installed_versions", fake)
+
+
+def packing_rows(applies: bool):
+    return [
+        {"id": shim, "affected": True, "verdict": "patched" if applies else "unpatched", "status": "applied" if applies else "disabled",
+         "reason": "in range" if applies else "disabled by FTSHIMS_DISABLE"}
+        for shim in ("packing_block_mask", "trl_padding_free_position_ids")
+    ]
+
+
+def test_pad_is_eos_depends_on_the_collator(monkeypatch):
+    with_versions(monkeypatch, trl="0.24.0")
+    sft = run(tokenizer=p("tokenizers", "pad_eos"), train_config=p("train", "hf_packing_fa2.json"))
+    assert [h["severity"] for h in rules_of(sft, "pad-is-eos")] == ["info"]  # TRL >= 0.17 pads labels by position
+    with_versions(monkeypatch, trl="0.12.2")
+    sft = run(tokenizer=p("tokenizers", "pad_eos"), train_config=p("train", "hf_packing_fa2.json"))
+    assert [h["severity"] for h in rules_of(sft, "pad-is-eos")] == ["warning"]
+    assert not rules_of(run(tokenizer=p("tokenizers", "pad_eos"), train_config=p("train", "lf_ok.yaml")), "pad-is-eos")
+
+
+def test_packing_by_design_contamination_in_old_trl(monkeypatch):
+    with_versions(monkeypatch, trl="0.12.2", transformers="4.46.3")
+    hits = rules_of(run(train_config=p("train", "hf_packing.json")), "packing-contamination")
+    assert [h["severity"] for h in hits] == ["warning"] and "ConstantLengthDataset" in hits[0]["message"]
+
+
+@pytest.mark.parametrize("applies,severity", [(True, "info"), (False, "error")])
+def test_packing_fixed_by_a_shim_or_not(monkeypatch, applies, severity):
+    with_versions(monkeypatch, trl="0.19.1", transformers="4.53.3")
+    hits = rules_of(run(train_config=p("train", "hf_packing.json"), shim_rows=packing_rows(applies)), "packing-contamination")
+    assert [h["severity"] for h in hits] == [severity]
+    assert "trl_padding_free_position_ids" in hits[0]["message"]
+    # LLaMA-Factory's non-neat packing under sdpa: the block-mask shim
+    hits = rules_of(run(train_config=p("train", "lf_packing_sdpa.yaml"), shim_rows=packing_rows(applies)), "packing-contamination")
+    assert [h["severity"] for h in hits] == [severity] and "packing_block_mask" in hits[0]["message"]
+
+
+def test_packing_isolated_stacks_are_clean(monkeypatch):
+    with_versions(monkeypatch, trl="0.24.0", transformers="4.57.6", torch="2.13.0")
+    assert not rules_of(run(train_config=p("train", "hf_packing.json")), "packing-contamination")
+    with_versions(monkeypatch, trl="0.19.1", transformers="4.53.3")
+    assert not rules_of(run(train_config=p("train", "hf_packing_fa2.json")), "packing-contamination")  # FA varlen
+    with_versions(monkeypatch, trl="0.24.0", transformers="4.57.6", torch="2.5.1")
+    hits = rules_of(run(train_config=p("train", "hf_packing.json"), shim_rows=packing_rows(True)), "packing-contamination")
+    assert hits and "torch 2.5.1" in hits[0]["message"]  # 4.53.1-4.57 skip packed-sequence detection below torch 2.6
+
+
+def test_zero3_low_cpu_mem_usage_depends_on_transformers(monkeypatch):
+    with_versions(monkeypatch, transformers="4.46.3")
+    hits = rules_of(run(train_config=p("train", "hf_zero3_load.json")), "ds-zero3-device-map")
+    assert sorted(h["severity"] for h in hits) == ["error", "error"]  # device_map, and low_cpu_mem_usage < 4.51
+    with_versions(monkeypatch, transformers="4.57.6")
+    hits = rules_of(run(train_config=p("train", "hf_zero3_load.json")), "ds-zero3-device-map")
+    assert sorted(h["severity"] for h in hits) == ["error", "info"]
+
+
+# -- details --------------------------------------------------------------------------------------
+
+
+def test_lora_suggestions_name_the_linear_layers():
+    (hit,) = rules_of(run(model=LLAMA, adapter=p("adapters", "no_match.json")), "lora-target-no-match")
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert name in hit["message"]
+    assert "lm_head" not in hit["message"]
+    (hit,) = rules_of(run(model=LLAMA, adapter=p("adapters", "typo.json")), "lora-target-partial-match")
+    assert "'v_prj' → 'v_proj'" in hit["fix"]
+    (hit,) = rules_of(run(model=LLAMA, adapter=p("adapters", "blocks.json")), "lora-target-unsupported-module")
+    assert "LlamaAttention" in hit["message"] and "LlamaRMSNorm" in hit["message"] and "q_proj" in hit["fix"]
+
+
+def test_deepspeed_details():
+    found = run(deepspeed=p("ds", "unknown.json"))
+    by_key = {f["key"]: f for f in rules_of(found, "ds-unknown-key")}
+    assert by_key["steps_per_prnt"]["severity"] == "warning" and "steps_per_print" in by_key["steps_per_prnt"]["fix"]
+    assert by_key["zero_optimization.stage3_prefetch_bucket"]["severity"] == "error"
+    (hit,) = rules_of(run(deepspeed=p("ds", "misplaced.json")), "ds-misplaced-key")
+    assert hit["key"] == "optimizer.offload" and "zero_optimization.offload_optimizer" in hit["message"]
+    found = run(deepspeed=p("ds", "mismatch.json"), train_config=p("train", "hf_mismatch.json"))
+    keys = sorted(f["key"] for f in rules_of(found, "ds-train-mismatch"))
+    assert keys == ["gradient_clipping", "optimizer.params.lr", "train_batch_size", "train_micro_batch_size_per_gpu"]
+
+
+def test_deepspeed_file_is_found_through_the_training_config():
+    found = run(train_config=p("train", "hf_zero3_load.json"))
+    assert all(f["file"] != p("train", "hf_zero3_load.json") or f["rule"] != "file-unreadable" for f in found)
+    assert rules_of(found, "ds-zero3-device-map")  # ZeRO-3 came from ../ds/ok_z3.json, relative to the config
+
+
+def test_a_missing_referenced_deepspeed_file_is_a_warning(tmp_path):
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"output_dir": "out", "deepspeed": "configs/ds_z3.json"}))
+    (hit,) = rules_of(run(train_config=str(config)), "file-unreadable")
+    assert hit["severity"] == "warning" and "--deepspeed" in hit["fix"]
+    config.write_text(json.dumps({"output_dir": "out", "deepspeed": {"zero_optimization": {"stage": 3, "offload": {}}}}))
+    (hit,) = rules_of(run(train_config=str(config)), "ds-misplaced-key")  # an inline DeepSpeed dict is linted too
+    assert "(inline `deepspeed`)" in hit["file"]
+
+
+def test_model_found_through_model_name_or_path():
+    found = run(train_config=p("train", "lf_lora_target_typo.yaml").replace("lf_lora_target_typo", "lf_ok"))
+    assert not rules_of(found, "model-config-invalid")
+
+
+def test_skeleton_model_is_on_meta_and_fast():
+    import time
+
+    from ftshims.doctor.lint.model import build_model
+
+    data = json.loads((FIX / "realistic" / "model" / "config.json").read_text())
+    started = time.perf_counter()
+    model = build_model(data)
+    assert time.perf_counter() - started < 20
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert model.config.num_hidden_layers == 32
+
+
+# -- the realistic setup, through the CLI -----------------------------------------------------------
+
+
+def test_realistic_setup_report(capsys):
+    real = FIX / "realistic"
+    cwd = os.getcwd()
+    os.chdir(real)
+    try:
+        code = cli.main(
+            ["--json", "--no-flash-attn", "--no-import", "--model", "model", "--adapter", "adapter", "--tokenizer", "tokenizer",
+             "--train-config", "llamafactory_sft.yaml"]
+        )
+    finally:
+        os.chdir(cwd)
+    data = json.loads(capsys.readouterr().out)
+    rules = {f["rule"]: f for f in data["findings"]}
+    assert code == 1 == data["summary"]["exit_code"]
+    assert rules["ds-misplaced-key"]["key"] == "optimizer.offload"
+    assert rules["ds-train-mismatch"]["key"] == "train_micro_batch_size_per_gpu"
+    assert "'o_prj' → 'o_proj'" in rules["lora-target-partial-match"]["fix"]
+    assert rules["seq-len-exceeds-positions"]["severity"] == "warning"  # RoPE
+    assert rules["tokenizer-no-pad"]["severity"] == "info"  # LLaMA-Factory sets pad = eos itself
+    assert "packing-contamination" in rules
+    assert {p["id"] for p in data["summary"]["problems"] if p["source"] == "finding"} == {"ds-misplaced-key", "ds-train-mismatch"}
+    assert data["options"]["model"] == "model" and data["options"]["train_config"] == "llamafactory_sft.yaml"
+    assert [f["severity"] for f in data["findings"]] == sorted(
+        (f["severity"] for f in data["findings"]), key=["error", "warning", "info"].index
+    )
+
+
+def test_lint_without_files_is_clean_and_exit_0(capsys):
+    code = cli.main(["--json", "--no-flash-attn", "--no-import", "--model", LLAMA, "--adapter", p("adapters", "ok.json"),
+                     "--tokenizer", p("tokenizers", "pad_ok"), "--train-config", p("train", "hf_mismatch.json")])
+    data = json.loads(capsys.readouterr().out)
+    assert data["findings"] == [], data["findings"]
+    assert "Setup lint: no findings." in data["summary"]["message"]
+
+
+def test_version_dependent_training_keys():
+    """gradient_checkpointing_kwargs exists from transformers 4.35: the lint judges keys by the installed version."""
+    from ftshims.versions import installed_version
+    from packaging.version import Version
+
+    hits = rules_of(run(train_config=p("train", "hf_ok.json")), "train-config-unknown-key")
+    expected = Version(installed_version("transformers")) < Version("4.35")
+    assert bool(hits) == expected, hits
+    if hits:
+        assert "gradient_checkpointing_kwargs" in hits[0]["message"]
+
+
+def test_rules_and_finding_keys_are_documented():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "doctor-json.md").read_text()
+    for rule in findings_mod.RULES:
+        assert f"| `{rule}` |" in doc, rule
+    for key in ("rule", "severity", "message", "fix", "ref", "file", "key"):
+        assert f"| `{key}` |" in doc, key
+    for key in ("model", "adapter", "tokenizer", "deepspeed", "train_config", "probe_timeout", "probe_jobs"):
+        assert f"| `{key}` |" in doc, key
