@@ -4,6 +4,11 @@ SHIM_IDS = (
     "lora_reentrant_checkpointing",
     "expand_mask_clamp",
     "max_positions_guard",
+    "packing_block_mask",
+    "custom_4d_mask_format",
+    "trl_padding_free_position_ids",
+    "flash_attn_packing",
+    "packing_contamination_warning",
     "resize_embeddings_keeps_frozen",
     "kbit_prep_keeps_adapters_trainable",
 )
