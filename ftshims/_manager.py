@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set
 
 from . import registry
-from .patching import LOCK, Patcher, on_import, require_params, resolve
+from .patching import LOCK, Patcher, is_loaded, on_import, require_params, resolve
 from .report import (
     APPLIED,
     DEFERRED,
@@ -184,7 +184,7 @@ def _part_failed(shim_id: str, exc: BaseException) -> None:
 
 
 def _activate(shim, record: _Record) -> None:
-    missing = [m for m in shim.spec.modules if m not in sys.modules]
+    missing = [m for m in shim.spec.modules if not is_loaded(m)]
     if not missing:
         _install(shim, record)
         return
@@ -192,11 +192,13 @@ def _activate(shim, record: _Record) -> None:
     record.reason = f"waiting for import of {', '.join(missing)}"
     _info(shim.id, DEFERRED, record.reason)
 
-    def on_module_imported(_module) -> None:
+    def on_module_imported(module) -> None:
         with LOCK:
             if record.status != DEFERRED:
                 return  # reverted or already installed
-            if all(m in sys.modules for m in shim.spec.modules):
+            # The module whose hook fires has run its body; importlib clears its
+            # _initializing flag only after the hook returns.
+            if all(m == module.__name__ or is_loaded(m) for m in shim.spec.modules):
                 _install(shim, record)
 
     for name in missing:

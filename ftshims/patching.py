@@ -192,14 +192,82 @@ def _guarded(layer: _Layer, wrapper: Callable) -> Callable:
 _WAITERS: Dict[str, List[Callable[[Any], None]]] = {}
 
 
+def initializing(module: Any) -> bool:
+    """True while importlib is still executing the module's body (it is in sys.modules already)."""
+    spec = getattr(module, "__spec__", None)
+    return bool(spec is not None and getattr(spec, "_initializing", False))
+
+
+def is_loaded(module_name: str) -> bool:
+    """The module is imported and has finished executing."""
+    module = sys.modules.get(module_name)
+    return module is not None and not initializing(module)
+
+
+def _after_initialization(module: Any, callback: Callable[[Any], None]) -> Optional[Callable[[], None]]:
+    """Run ``callback(module)`` when importlib marks ``module`` as initialized; a cancel function.
+
+    A module enters ``sys.modules`` before its body runs. A post-import hook
+    for *another* module can fire while this one is half-executed (a modeling
+    module's ``from ..modeling_utils import ...`` is what triggers a deferred
+    shim), and its classes do not exist yet. importlib sets
+    ``spec._initializing = False`` right after the body has run; the spec's
+    class is swapped for a subclass that notices that assignment, restores
+    the class and runs the callbacks. Returns None when the spec cannot be
+    instrumented (the caller then runs the callback at once, as before).
+    """
+    spec = module.__spec__
+    pending = vars(spec).get("_ftshims_pending")
+    if pending is None:
+        original = type(spec)
+
+        class _NotifyWhenInitialized(original):
+            def __setattr__(self, name, value):
+                original.__setattr__(self, name, value)
+                if name == "_initializing" and not value:
+                    object.__setattr__(self, "__class__", original)
+                    _initialized(module, vars(self).pop("_ftshims_pending", []))
+
+        try:
+            pending = []
+            vars(spec)["_ftshims_pending"] = pending
+            object.__setattr__(spec, "__class__", _NotifyWhenInitialized)
+        except TypeError:
+            vars(spec).pop("_ftshims_pending", None)
+            return None
+    pending.append(callback)
+
+    def cancel() -> None:
+        with LOCK:
+            if callback in pending:
+                pending.remove(callback)
+
+    return cancel
+
+
+def _initialized(module: Any, callbacks: List[Callable[[Any], None]]) -> None:
+    if sys.modules.get(module.__name__) is not module:
+        # The body raised and importlib removed the module: wait for a later, successful import.
+        for callback in callbacks:
+            on_import(module.__name__, callback)
+        return
+    with LOCK:
+        for callback in callbacks:
+            callback(module)
+
+
 def on_import(module_name: str, callback: Callable[[Any], None]) -> Callable[[], None]:
-    """Call ``callback(module)`` once ``module_name`` is imported (now, if it already is).
+    """Call ``callback(module)`` once ``module_name`` is imported and executed (now, if it is).
 
     Returns a function that cancels the callback if it has not run yet.
     """
     with LOCK:
         module = sys.modules.get(module_name)
         if module is not None:
+            if initializing(module):
+                cancel = _after_initialization(module, callback)
+                if cancel is not None:
+                    return cancel
             callback(module)
             return lambda: None
         waiters = _WAITERS.get(module_name)
@@ -218,6 +286,7 @@ def on_import(module_name: str, callback: Callable[[Any], None]) -> Callable[[],
 
 
 def _fire(module: Any) -> None:
+    """wrapt's post-import hook: the body has run (``_initializing`` is reset just after)."""
     with LOCK:
         waiters = _WAITERS.pop(module.__name__, [])
         for callback in waiters:
@@ -364,6 +433,10 @@ class Patcher:
 
         self.waiting.append(module_name)
         self._cancels.append(on_import(module_name, run))
+
+    def on_undo(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when this shim is reverted or rolled back (for state kept outside slots)."""
+        self._cancels.append(callback)
 
     # -- inspection and undo -------------------------------------------------
 

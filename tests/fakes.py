@@ -54,6 +54,14 @@ class FakeWorld:
         (root / "target.py").write_text(TARGET_SOURCE)
         (root / "other.py").write_text(f"from {self.package}.target import add\n")
         (root / "broken.py").write_text("raise RuntimeError('this module is broken on purpose')\n")
+        (root / "trigger.py").write_text("")
+        # Imports `trigger` half-way through its body, like a modeling module importing modeling_utils.
+        (root / "late.py").write_text(
+            f"import {self.package}.trigger\n\ndef defined_after(x):\n    return x\n"
+        )
+        (root / "late_broken.py").write_text(
+            f"import {self.package}.trigger\n\nraise RuntimeError('late_broken fails after the trigger')\n"
+        )
         monkeypatch.syspath_prepend(str(tmp_path))
         self.shims: Dict[str, registry.Shim] = {}
         monkeypatch.setattr(registry, "_CACHE", self.shims)

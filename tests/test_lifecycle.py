@@ -497,3 +497,32 @@ def test_revert_of_a_replaced_constant_leaves_other_modules_alone(world):
     ftshims.revert()
     assert target.FLAG is True
     assert sp._mswindows is before, "an unrelated module global equal to the replaced constant was rewritten"
+
+
+def test_part_for_a_half_imported_module_waits_for_its_body(world):
+    """The deferred shim fires while `late` is mid-import (it imports the trigger); its part must
+    patch `late` once the body has run, not find a half-defined module."""
+
+    def install(patcher, options):
+        patcher.when_imported(f"{world.package}.late", lambda m: patcher.wrap(m, "defined_after", add_one_more))
+
+    world.add_shim("late", install, modules=(f"{world.package}.trigger",))
+    assert ftshims.apply()["late"].status == "deferred"
+    late = world.module("late")
+    assert ftshims.status()["late"].status == "applied"
+    assert late.defined_after(1) == 2, "the part ran on the half-executed module and found nothing"
+    assert _manager.notes("late") == []
+    ftshims.revert()
+    assert late.defined_after(1) == 1
+
+
+def test_part_for_a_module_whose_import_fails_waits_for_a_later_import(world):
+    def install(patcher, options):
+        patcher.when_imported(f"{world.package}.late_broken", lambda m: patcher.wrap(m, "x", add_one_more))
+
+    world.add_shim("late", install, modules=(f"{world.package}.trigger",))
+    ftshims.apply()
+    with pytest.raises(RuntimeError, match="late_broken fails"):
+        world.module("late_broken")
+    assert ftshims.status()["late"].status == "applied"
+    assert ftshims.status()["late"].waiting == [f"{world.package}.late_broken"]
