@@ -2,6 +2,9 @@
 
 SHIM_IDS = (
     "lora_reentrant_checkpointing",
+    "rope_inv_freq_fp32",
+    "rope_fused_kernel",
+    "flash_attn_rotary",
     "expand_mask_clamp",
     "max_positions_guard",
     "packing_block_mask",

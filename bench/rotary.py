@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""Rotary embedding benchmark: ftshims' kernel vs HF eager vs Liger vs flash-attn (where importable).
+
+    python bench/rotary.py                      # CPU (reduced long-context batch), bf16 + fp32, fwd and fwd+bwd
+    python bench/rotary.py --device cuda        # GPU: also Liger and flash-attn's Triton apply_rotary if importable
+    python bench/rotary.py --json out.json --shapes llama8b --dtypes bfloat16
+
+Shapes (q heads 32, kv heads 8, head_dim 128, like one Llama-3-8B layer):
+``llama8b`` batch 4 x seq 4096; ``long`` batch 4 x seq 32768 (on CPU batch 1:
+a 2-core, 24 GiB box cannot hold HF eager's temporaries at batch 4; the batch
+used is printed). q/k are laid out as transformers makes them:
+``proj(x).view(b, s, h, d).transpose(1, 2)``; cos/sin are HF's per-token
+``[b, s, d]`` tables in the storage dtype.
+
+Implementations (each computes rotated q and k):
+* ``hf_eager``: transformers' ``apply_rotary_pos_emb`` (Llama's, or the same
+  formula when transformers is absent);
+* ``ftshims_cos``: ``ftshims.kernels.rotary.apply_rotary_qk`` with HF's cos/sin;
+* ``ftshims_theta``: the same from positions and ``rope_theta`` (angles in-kernel);
+* ``liger``: ``liger_kernel.transformers.rope.liger_rotary_pos_emb`` (CUDA only);
+* ``flash_attn``: ``flash_attn.ops.triton.rotary.apply_rotary`` on q and k with
+  its ``[s, d/2]`` fp32 table (CUDA only; 2 launches).
+
+Bytes counted (for GB/s): every element of q and k read once and written once,
+plus cos and sin as each implementation receives them (HF/Liger/ours-cos:
+``[b, s, d]`` x 2; flash-attn: its ``[s, d/2]`` table; theta: positions). The
+backward pass counts the same again (grads in, grads out). ``copy`` is a
+``dst.copy_(src)`` of the q+k bytes in the same run: ``frac_copy`` is the
+achieved bandwidth as a fraction of it. Times are the minimum over repeats
+(CPU) or the median of CUDA-event timings (GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ftshims.kernels import rotary  # noqa: E402
+
+SHAPES = {"llama8b": dict(batch=4, seq=4096), "long": dict(batch=4, seq=32768)}
+HEADS_Q, HEADS_K, HEAD_DIM, THETA = 32, 8, 128, 500000.0
+
+
+def hf_apply():
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        return apply_rotary_pos_emb, "transformers"
+    except Exception:  # transformers absent or broken: the same formula
+        def rotate_half(x):
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+            return torch.cat((-x2, x1), dim=-1)
+
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+            return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+        return apply_rotary_pos_emb, "local copy of the HF formula"
+
+
+def hf_call(fn):
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if "position_ids" in params and params["position_ids"].default is inspect.Parameter.empty:
+        return None  # transformers <= 4.37 takes a table; the benchmark needs the per-token form
+    return lambda q, k, cos, sin: fn(q, k, cos, sin)
+
+
+def make_inputs(batch, seq, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(batch, seq, HEADS_Q, HEAD_DIM, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, seq, HEADS_K, HEAD_DIM, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype).transpose(1, 2)
+    positions = torch.arange(seq, device=device)[None].expand(batch, seq)
+    inv_freq = rotary.default_inv_freq(HEAD_DIM, THETA, device)
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    table = (torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv_freq)
+    return dict(q=q, k=k, positions=positions, cos=cos, sin=sin, fa_cos=table.cos(), fa_sin=table.sin())
+
+
+def implementations(device, skip):
+    impls = {}
+    fn, source = hf_apply()
+    call = hf_call(fn)
+    if call is not None:
+        impls["hf_eager"] = (lambda t: call(t["q"], t["k"], t["cos"], t["sin"]), ("cos",), source)
+    impls["ftshims_cos"] = (
+        lambda t: rotary.apply_rotary_qk(t["q"], t["k"], cos=t["cos"], sin=t["sin"], layout="bhsd"), ("cos",), "ftshims"
+    )
+    impls["ftshims_theta"] = (
+        lambda t: rotary.apply_rotary_qk(t["q"], t["k"], t["positions"], rope_theta=THETA, layout="bhsd"), ("positions",), "ftshims"
+    )
+    if device == "cuda":
+        try:
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+            impls["liger"] = (lambda t: liger_rotary_pos_emb(t["q"], t["k"], t["cos"], t["sin"]), ("cos",), "liger_kernel")
+        except Exception as exc:
+            skip["liger"] = f"not importable ({type(exc).__name__})"
+        try:
+            from flash_attn.ops.triton.rotary import apply_rotary
+
+            def fa(t):
+                # flash-attn wants [b, s, h, d]; HF's transposed q is exactly that view
+                q = apply_rotary(t["q"].transpose(1, 2), t["fa_cos"].to(t["q"].dtype), t["fa_sin"].to(t["q"].dtype))
+                k = apply_rotary(t["k"].transpose(1, 2), t["fa_cos"].to(t["q"].dtype), t["fa_sin"].to(t["q"].dtype))
+                return q.transpose(1, 2), k.transpose(1, 2)
+
+            impls["flash_attn"] = (fa, ("fa_table",), "flash_attn")
+        except Exception as exc:
+            skip["flash_attn"] = f"not importable ({type(exc).__name__})"
+    else:
+        skip["liger"] = skip["flash_attn"] = "Triton kernels need CUDA"
+    return impls
+
+
+def count_bytes(t, extra, backward):
+    elem = t["q"].element_size()
+    qk = (t["q"].numel() + t["k"].numel()) * elem * 2  # read + write
+    side = 0
+    if "cos" in extra:
+        side = 2 * t["cos"].numel() * t["cos"].element_size()
+    elif "fa_table" in extra:
+        side = 2 * t["fa_cos"].numel() * elem
+    elif "positions" in extra:
+        side = t["positions"].numel() * t["positions"].element_size()
+    per_pass = qk + side
+    return per_pass * (2 if backward else 1)
+
+
+def timer(device, fn, repeats, warmup):
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run(args):
+    device = args.device
+    results = []
+    skip = {}
+    impls = implementations(device, skip)
+    backend, reason = rotary.resolve_backend(device, "auto")
+    print(f"# device {device} ({torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()}), "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, ftshims backend {backend}"
+          + (f" (fallback: {reason})" if reason else ""))
+    for name, why in skip.items():
+        print(f"# {name}: skipped, {why}")
+    for shape_name in args.shapes:
+        shape = dict(SHAPES[shape_name])
+        if device == "cpu" and shape_name == "long":
+            shape["batch"] = args.cpu_long_batch
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            t = make_inputs(shape["batch"], shape["seq"], dtype, device)
+            copy_src = torch.empty((t["q"].numel() + t["k"].numel(),), dtype=dtype, device=device)
+            copy_dst = torch.empty_like(copy_src)
+            copy_s = timer(device, lambda: copy_dst.copy_(copy_src), args.repeats, args.warmup)
+            copy_gbs = 2 * copy_src.numel() * copy_src.element_size() / copy_s / 1e9
+            for mode in args.modes:
+                backward = mode == "fwd+bwd"
+                for impl_name, (fn, extra, _source) in impls.items():
+                    if backward:
+                        q = t["q"].detach().requires_grad_()
+                        k = t["k"].detach().requires_grad_()
+                        gq, gk = torch.randn_like(q), torch.randn_like(k)
+                        tt = dict(t, q=q, k=k)
+
+                        def step(fn=fn, tt=tt, gq=gq, gk=gk):
+                            oq, ok = fn(tt)
+                            torch.autograd.backward((oq, ok), (gq, gk))
+                    else:
+                        def step(fn=fn, t=t):
+                            with torch.no_grad():
+                                fn(t)
+                    try:
+                        seconds = timer(device, step, args.repeats, args.warmup)
+                    except Exception as exc:  # one implementation failing must not hide the others
+                        print(f"# {impl_name} {shape_name} {dtype_name} {mode}: failed: {type(exc).__name__}: {exc}")
+                        continue
+                    nbytes = count_bytes(t, extra, backward)
+                    gbs = nbytes / seconds / 1e9
+                    results.append(dict(
+                        shape=shape_name, batch=shape["batch"], seq=shape["seq"], dtype=dtype_name, mode=mode,
+                        impl=impl_name, ms=seconds * 1e3, gbs=gbs, frac_copy=gbs / copy_gbs, copy_gbs=copy_gbs,
+                    ))
+            del t
+    by_key = {}
+    for r in results:
+        by_key.setdefault((r["shape"], r["dtype"], r["mode"]), {})[r["impl"]] = r
+    for r in results:
+        group = by_key[(r["shape"], r["dtype"], r["mode"])]
+        for ref in ("hf_eager", "liger", "flash_attn"):
+            if ref in group and r["impl"].startswith("ftshims"):
+                r[f"x_vs_{ref}"] = group[ref]["ms"] / r["ms"]
+    header = f"{'shape':<8} {'b':>2} {'seq':>6} {'dtype':<9} {'mode':<8} {'impl':<14} {'ms':>9} {'GB/s':>8} {'copy':>6} {'vs HF':>6} {'vs Liger':>8} {'vs FA':>6}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        def ratio(key):
+            return f"{r[key]:.2f}x" if key in r else ""
+        print(f"{r['shape']:<8} {r['batch']:>2} {r['seq']:>6} {r['dtype']:<9} {r['mode']:<8} {r['impl']:<14} "
+              f"{r['ms']:>9.3f} {r['gbs']:>8.1f} {r['frac_copy']:>6.0%} {ratio('x_vs_hf_eager'):>6} "
+              f"{ratio('x_vs_liger'):>8} {ratio('x_vs_flash_attn'):>6}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=device, torch=torch.__version__, results=results, skipped=skip), indent=2))
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--cpu-long-batch", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 50 if args.device == "cuda" else 3
+    if args.warmup is None:
+        args.warmup = 10 if args.device == "cuda" else 1
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

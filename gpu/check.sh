@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One-command GPU check for ftshims' rotary kernel (and every test under tests/gpu).
+#
+#   bash gpu/check.sh                 # on the GPU machine, from the repository root
+#
+# Steps (each logged; the summary table is printed last):
+#   1. device + toolchain facts (nvidia-smi, nvcc, python, torch)
+#   2. build the extension on the device (JIT, TORCH_CUDA_ARCH_LIST = the GPU's arch), timed;
+#      plus `nvcc -Xptxas -v` on csrc/rotary_cuda.cu for registers/spills
+#   3. correctness: the CUDA kernel vs the fp64 oracle over the matrix of cases, gradcheck,
+#      opcheck/torch.compile, bad input (tests/gpu/test_rotary_cuda.py), and every other
+#      test under tests/gpu: `pytest -m gpu tests/gpu`
+#   4. compute-sanitizer memcheck on every kernel variant (gpu/sanitize_rotary.py), where it works
+#   5. the benchmark (bench/rotary.py --device cuda) incl. Liger / flash-attn Triton when present
+#
+# Optional extras carried from the CPU box (prepared by gpu/prepare.sh, carry ".gpu_carry"):
+#   .gpu_carry/whl/*.whl                      wheels installed to /tmp/site (e.g. liger-kernel)
+#   .gpu_carry/fa/flash_attn-2.8.3/           flash-attn's released rotary files (Triton) for parity + bench
+#
+# Budget: <= 8 minutes on an H200 (build ~1-2 min, tests ~2 min, sanitizer ~1 min, bench ~2 min).
+# Outputs go to $OUT (or /tmp/ftshims-gpu-out): logs, bench.json, summary.txt.
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-/tmp/ftshims-gpu-out}"
+mkdir -p "$OUT_DIR"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ftshims-ext}"
+export MAX_JOBS="${MAX_JOBS:-16}"
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
+T0=$(date +%s)
+
+row() { printf '%-34s %-6s %s\n' "$1" "$2" "$3" | tee -a "$SUMMARY.rows" >/dev/null; }
+: > "$SUMMARY.rows"
+elapsed() { echo $(( $(date +%s) - T0 ))s; }
+
+echo "=== 1. device"
+nvidia-smi -L 2>&1 | tee "$OUT_DIR/device.txt"
+nvcc --version 2>&1 | tail -1 | tee -a "$OUT_DIR/device.txt"
+$PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')" 2>&1 | tee -a "$OUT_DIR/device.txt"
+ARCH=$($PY -c "import torch; c=torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}')" 2>/dev/null || echo "9.0")
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$ARCH}"
+export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}"
+
+if [ -d .gpu_carry/whl ] && ls .gpu_carry/whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu_carry/whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+FA_DIR=$(ls -d .gpu_carry/fa/flash_attn-2.8.3 2>/dev/null || true)
+if [ -n "$FA_DIR" ]; then export FTSHIMS_FA_GPU_SOURCES="$PWD/$FA_DIR"; fi
+
+echo "=== 2. build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST) [$(elapsed)]"
+B0=$(date +%s)
+$PY - <<'EOF' 2>&1 | tee "$OUT_DIR/build.log"
+import time
+from ftshims.kernels import _build
+t = time.time()
+ok = _build.load(jit=True)
+st = _build.status()
+print(f"BUILD loaded={ok} cuda={st['cuda']} how={st['how']} reason={st['reason']} seconds={time.time() - t:.1f}")
+EOF
+B1=$(date +%s)
+if grep -q "BUILD loaded=True cuda=True" "$OUT_DIR/build.log"; then row "build (JIT, sm_${ARCH/./})" PASS "$((B1 - B0)) s"; else row "build (JIT)" FAIL "see build.log"; fi
+SM="sm_${ARCH/./}"
+$PY tools/nvcc_compile_check.py --arch "${ARCH/./}" > "$OUT_DIR/ptxas.log" 2>&1
+PTX_RC=$?
+PTX_LINE=$(grep "^nvcc" "$OUT_DIR/ptxas.log" | tail -1)
+row "nvcc/ptxas ($SM)" "$([ $PTX_RC = 0 ] && echo PASS || echo FAIL)" "${PTX_LINE#*: }"
+
+echo "=== 3. tests: pytest -m gpu tests/gpu [$(elapsed)]"
+timeout 240 $PY -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT_DIR/pytest-gpu.log"
+LAST=$(grep -E "passed|failed|error|skipped|no tests ran" "$OUT_DIR/pytest-gpu.log" | tail -1)
+if echo "$LAST" | grep -qE "failed|error"; then row "pytest -m gpu tests/gpu" FAIL "$LAST"
+elif echo "$LAST" | grep -q "passed"; then row "pytest -m gpu tests/gpu" PASS "$LAST"
+else row "pytest -m gpu tests/gpu" FAIL "nothing ran on the GPU: $LAST"; fi
+
+echo "=== 4. compute-sanitizer memcheck [$(elapsed)]"
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 --target-processes all $PY gpu/sanitize_rotary.py \
+    > "$OUT_DIR/sanitizer.log" 2>&1
+  RC=$?
+  tail -5 "$OUT_DIR/sanitizer.log"
+  if grep -q "Device not supported\|error 999" "$OUT_DIR/sanitizer.log"; then row "compute-sanitizer memcheck" SKIP "not supported on this runtime"
+  elif [ $RC = 0 ] && grep -q "ERROR SUMMARY: 0 errors" "$OUT_DIR/sanitizer.log"; then row "compute-sanitizer memcheck" PASS "$(grep -o 'SANITIZE [0-9]* launches' "$OUT_DIR/sanitizer.log" | head -1), 0 errors"
+  else row "compute-sanitizer memcheck" FAIL "rc=$RC, see sanitizer.log"; fi
+else
+  row "compute-sanitizer memcheck" SKIP "compute-sanitizer not found"
+fi
+
+echo "=== 5. benchmark [$(elapsed)]"
+timeout 240 $PY bench/rotary.py --device cuda --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.log"
+$PY gpu/summarize_bench.py "$OUT_DIR/bench.json" >> "$SUMMARY.rows" 2>> "$OUT_DIR/bench.log" || row "benchmark" FAIL "see bench.log"
+
+echo
+echo "=== summary (total $(elapsed))"
+{ printf '%-34s %-6s %s\n' "check" "result" "detail"; printf '%s\n' "--------------------------------------------------------------------------------"; cat "$SUMMARY.rows"; } | tee "$SUMMARY"
+rm -f "$SUMMARY.rows"
+grep -q " FAIL " "$SUMMARY" && exit 1
+exit 0
