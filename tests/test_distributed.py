@@ -72,7 +72,7 @@ def test_spawned_dataloader_worker_applies_the_same_shims(tmp_path):
     if not _pth_installed():
         if os.environ.get("FTSHIMS_STACK"):
             pytest.fail("ftshims-auto.pth is not installed in this test environment (nox installs the package)")
-        pytest.skip("ftshims-auto.pth not installed here (pip install . installs it)")
+        pytest.skip("ftshims-auto.pth not installed here (pip install . or python -m ftshims.hook install)")
     (tmp_path / "probe_dataset.py").write_text(textwrap.dedent(
         """
         import importlib
@@ -92,6 +92,9 @@ def test_spawned_dataloader_worker_applies_the_same_shims(tmp_path):
                         except ImportError:
                             pass
                 return {e.id: e.status for e in ftshims.status()}
+
+        def first(rows):
+            return rows[0]
         """
     ))
     script = textwrap.dedent(
@@ -108,9 +111,9 @@ def test_spawned_dataloader_worker_applies_the_same_shims(tmp_path):
                 except ImportError:
                     pass
         parent = {e.id: e.status for e in ftshims.status()}
-        from probe_dataset import ShimStatusDataset
+        from probe_dataset import ShimStatusDataset, first
         loader = torch.utils.data.DataLoader(ShimStatusDataset(), num_workers=1, multiprocessing_context="spawn",
-                                             collate_fn=lambda rows: rows[0])
+                                             collate_fn=first)
         worker = next(iter(loader))
         print(json.dumps({"parent": parent, "worker": worker, "auto": os.environ.get("FTSHIMS_AUTO")}))
         """
@@ -122,3 +125,9 @@ def test_spawned_dataloader_worker_applies_the_same_shims(tmp_path):
     assert json.loads(data["auto"]) == {"exclude": ["resize_embeddings_keeps_frozen"]}
     assert data["worker"] == data["parent"], "the spawned worker applied the same shims with the same options"
     assert data["worker"]["resize_embeddings_keeps_frozen"] == "disabled"
+
+
+def test_hook_file_matches_the_shipped_one():
+    from ftshims import hook
+
+    assert (ROOT / "ftshims-auto.pth").read_text() == hook.LINE

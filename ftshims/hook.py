@@ -1,0 +1,53 @@
+"""The ``ftshims-auto.pth`` start-up hook: install, remove or inspect it.
+
+    python -m ftshims.hook status
+    python -m ftshims.hook install      # editable installs don't ship it; regular ones do
+    python -m ftshims.hook uninstall
+
+The hook is one line in site-packages that Python runs at start-up. It costs a
+dictionary lookup unless ``FTSHIMS_AUTO`` is set; then it imports
+``ftshims.auto``, which applies the shims (``FTSHIMS_AUTO`` may hold a JSON
+object of ``apply()`` arguments). That is how torchrun ranks, accelerate
+workers and spawned DataLoader workers get the launcher's shims:
+``FTSHIMS_AUTO=1 torchrun train.py``, or ``ftshims.apply(propagate=True)`` in
+the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import sysconfig
+from pathlib import Path
+
+NAME = "ftshims-auto.pth"
+LINE = "import os; os.environ.get('FTSHIMS_AUTO', '0') not in ('', '0') and __import__('ftshims.auto')\n"
+
+
+def site_packages() -> Path:
+    return Path(sysconfig.get_path("purelib"))
+
+
+def installed() -> bool:
+    return (site_packages() / NAME).is_file()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ftshims.hook", description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("status", "install", "uninstall"))
+    args = parser.parse_args(argv)
+    path = site_packages() / NAME
+    if args.action == "install":
+        path.write_text(LINE)
+        print(f"installed {path}")
+    elif args.action == "uninstall":
+        if path.exists():
+            path.unlink()
+        print(f"removed {path}")
+    else:
+        print(f"{path}: {'installed' if installed() else 'not installed'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
