@@ -86,3 +86,22 @@ def packages() -> Tuple[str, ...]:
     for shim in shims().values():
         names.update(shim.spec.requires)
     return tuple(sorted(names))
+
+
+def import_shim_modules() -> Dict[str, Optional[str]]:
+    """Import every module a registered shim waits for, so deferred shims install now.
+
+    Returns ``{module: None or "ExceptionType: message"}``; an import that fails
+    is reported, not raised (the package may be absent or broken).
+    """
+    results: Dict[str, Optional[str]] = {}
+    for shim in shims().values():
+        for name in shim.spec.modules:
+            if name in results:
+                continue
+            try:
+                importlib.import_module(name)
+                results[name] = None
+            except Exception as exc:
+                results[name] = f"{type(exc).__name__}: {exc}"
+    return results

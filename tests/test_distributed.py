@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,12 +24,6 @@ def _env(**extra):
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_torchrun_two_ranks_match_single_process(tmp_path):
     import torch
@@ -39,8 +32,9 @@ def test_torchrun_two_ranks_match_single_process(tmp_path):
     subprocess.run([sys.executable, str(DDP_SCRIPT), "--out", str(single)], check=True, env=_env(), timeout=600,
                    capture_output=True)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-         f"--master_port={_free_port()}", str(DDP_SCRIPT), "--out", str(ddp)],
+        # --standalone: c10d rendezvous on a free localhost port chosen by torchrun itself (no port race)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DDP_SCRIPT),
+         "--out", str(ddp)],
         env=_env(), timeout=600, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -75,7 +69,6 @@ def test_spawned_dataloader_worker_applies_the_same_shims(tmp_path):
         pytest.skip("ftshims-auto.pth not installed here (pip install . or python -m ftshims.hook install)")
     (tmp_path / "probe_dataset.py").write_text(textwrap.dedent(
         """
-        import importlib
         import torch
 
         class ShimStatusDataset(torch.utils.data.Dataset):
@@ -85,12 +78,7 @@ def test_spawned_dataloader_worker_applies_the_same_shims(tmp_path):
             def __getitem__(self, index):
                 import ftshims
                 from ftshims import registry
-                for shim in registry.shims().values():
-                    for name in shim.spec.modules:
-                        try:
-                            importlib.import_module(name)
-                        except ImportError:
-                            pass
+                registry.import_shim_modules()
                 return {e.id: e.status for e in ftshims.status()}
 
         def first(rows):
@@ -99,17 +87,12 @@ def test_spawned_dataloader_worker_applies_the_same_shims(tmp_path):
     ))
     script = textwrap.dedent(
         """
-        import importlib, json, os, sys
+        import json, os
         import torch
         import ftshims
         from ftshims import registry
         ftshims.apply(exclude=["resize_embeddings_keeps_frozen"], propagate=True)
-        for shim in registry.shims().values():
-            for name in shim.spec.modules:
-                try:
-                    importlib.import_module(name)
-                except ImportError:
-                    pass
+        registry.import_shim_modules()
         parent = {e.id: e.status for e in ftshims.status()}
         from probe_dataset import ShimStatusDataset, first
         loader = torch.utils.data.DataLoader(ShimStatusDataset(), num_workers=1, multiprocessing_context="spawn",

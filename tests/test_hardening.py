@@ -53,12 +53,7 @@ def _declared_targets(shim):
 
 
 def _import_all():
-    for shim in registry.shims().values():
-        for name in shim.spec.modules:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass
+    registry.import_shim_modules()
 
 
 SHIMS = [s.id for s in registry.shims().values()]
@@ -192,11 +187,7 @@ def test_apply_before_and_after_import_agree():
     code = """
         import inspect, json, importlib, sys, wrapt, ftshims
         from ftshims import registry
-        def import_all():
-            for s in registry.shims().values():
-                for m in s.spec.modules:
-                    try: importlib.import_module(m)
-                    except ImportError: pass
+        import_all = registry.import_shim_modules
         def wrapped_sites():
             sites = []
             for name, module in list(sys.modules.items()):

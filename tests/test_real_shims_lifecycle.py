@@ -18,14 +18,7 @@ PACKAGES = ("transformers", "peft", "trl", "torch", "flash_attn")
 
 
 def _import_targets():
-    import importlib
-
-    for shim in registry.shims().values():
-        for name in shim.spec.modules:
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass
+    registry.import_shim_modules()
 
 
 def _snapshot():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -63,9 +64,14 @@ def main():
         params = {n: p.detach().tolist() for n, p in tiny.lora_parameters(inner).items()}
         statuses = {e.id: e.status for e in ftshims.status()}
         with open(args.out, "w") as fh:
-            json.dump({"params": params, "loss": float(loss), "statuses": statuses}, fh)
+            json.dump({"params": params, "loss": float(loss.detach()), "statuses": statuses}, fh)
     if world > 1:
+        torch.distributed.barrier()  # nobody tears down the group while another rank still uses it
         torch.distributed.destroy_process_group()
+        # gloo's background threads can abort the interpreter's teardown ("terminate called without an
+        # active exception"); the step is done and written, so leave without it.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
