@@ -120,7 +120,8 @@ def rotary_flash(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
         "tests/test_shim_flash_attn_rotary.py", "tests/test_shim_rope_inv_freq_fp32.py",
-        "tests/test_shim_rope_fused_kernel.py", *session.posargs, env=env,
+        "tests/test_shim_rope_fused_kernel.py", "--hypothesis-profile=fuzz", "--hypothesis-show-statistics",
+        *session.posargs, env=env,
     )
 
 

@@ -18,6 +18,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 _RECORDS: dict = {}
 
+try:
+    from hypothesis import settings as _hypothesis_settings
+
+    # Default runs stay quick; the rotary_flash session fuzzes the kernel with thousands of cases.
+    _hypothesis_settings.register_profile("default", max_examples=60)
+    _hypothesis_settings.register_profile("fuzz", max_examples=3000)
+    _hypothesis_settings.load_profile("default")
+except ImportError:  # hypothesis is a test dependency; the kernel fuzz tests skip without it
+    pass
+
 
 class Evidence:
     def record(self, outcome, scenario: str) -> None:

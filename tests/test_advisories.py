@@ -66,6 +66,14 @@ CASES = {
         ({"trl": "0.19.0.dev0"}, None, False),
         ({"trl": N}, None, False),
     ],
+    "packing_contaminated_below_4_37": [
+        ({"transformers": "4.30.2"}, None, True),
+        ({"transformers": "4.36.2"}, None, True),
+        ({"transformers": "4.37.0"}, None, False),
+        ({"transformers": "4.37.0.dev0"}, None, False),
+        ({"transformers": "5.24.0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
     "custom_4d_mask_unsupported": [
         ({"transformers": "4.30.2"}, None, True),
         ({"transformers": "4.36.2"}, None, True),
@@ -455,7 +463,8 @@ def test_the_pinned_stacks_see_the_expected_advisories():
     """The matrix stacks (common.md) against the data: a cross-check of the ranges."""
     stacks = {
         "s430": ({"transformers": "4.30.2", "peft": "0.4.0", "trl": "0.4.7", "torch": "2.13.0+cpu"},
-                 {"trl_constant_length_dataset_packing", "custom_4d_mask_unsupported", "ga_mean_of_micro_batch_means"}),
+                 {"trl_constant_length_dataset_packing", "custom_4d_mask_unsupported", "ga_mean_of_micro_batch_means",
+                  "packing_contaminated_below_4_37"}),
         "s438": ({"transformers": "4.38.2", "trl": "0.8.1", "torch": "2.13.0+cpu"},
                  {"trl_constant_length_dataset_packing", "ga_mean_of_micro_batch_means",
                   "llama_gemma_causal_mask_buffer_4_38"}),
