@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Set
 
 from . import registry
-from .patching import LOCK, Patcher, is_loaded, on_import, require_params, resolve
+from .patching import LOCK, Patcher, is_loaded, on_import, require_params, resolve, settle, wait_for_inflight_imports
 from .report import (
     APPLIED,
     DEFERRED,
@@ -212,7 +212,9 @@ def apply(only=None, exclude=None, strict: bool = False, include=None, options=N
     include_set = _check_ids(include, "include")
     options = dict(options or {})
     _check_ids(options, "options")
+    waited = set()
     with LOCK:
+        settle()  # deferred installs whose module finished importing without telling us (a race)
         for shim in registry.shims().values():
             record = _RECORDS.setdefault(shim.id, _Record())
             if record.status in (APPLIED, DEFERRED):
@@ -228,7 +230,11 @@ def apply(only=None, exclude=None, strict: bool = False, include=None, options=N
             record.options = _options_for(shim, options.get(shim.id, {}))
             record.strict = strict
             _activate(shim, record)
-        return status()
+            if record.status == DEFERRED:
+                waited.update(shim.spec.modules)
+    # Outside the lock: an import of a watched module racing this call may have slipped past the hooks.
+    wait_for_inflight_imports(waited)
+    return status()
 
 
 def revert(only=None) -> Report:
@@ -255,6 +261,7 @@ def revert(only=None) -> Report:
 def status() -> Report:
     """The current state of every registered shim."""
     with LOCK:
+        settle()
         entries = []
         for shim in registry.shims().values():
             record = _RECORDS.get(shim.id) or _Record()
