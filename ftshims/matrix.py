@@ -32,9 +32,15 @@ DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "COMPAT_MATRIX.md"
 
 FIXED = "fixed"  # bug reproduced without the shim, gone with it
 ABSENT = "absent"  # outside the range: bug absent, shim not applied
+EQUIVALENT = "equivalent"  # a speed shim: applied, same results as without it in every scenario
 MISMATCH = "MISMATCH"  # evidence contradicts the registry (the tests fail too)
 
-SYMBOL = {FIXED: "✅ reproduced, fixed", ABSENT: "➖ not affected", MISMATCH: "❌ mismatch"}
+SYMBOL = {
+    FIXED: "✅ reproduced, fixed",
+    ABSENT: "➖ not affected",
+    EQUIVALENT: "⚡ same results",
+    MISMATCH: "❌ mismatch",
+}
 
 
 def _load_toml(path: Path) -> dict:
@@ -49,13 +55,21 @@ def stacks() -> Dict[str, dict]:
     return _load_toml(STACKS)["stacks"]
 
 
-def verdict(scenarios: Dict[str, dict]) -> str:
-    """One verdict for a shim on a stack, from its recorded scenarios."""
+def verdict(scenarios: Dict[str, dict], kind: str = "fix") -> str:
+    """One verdict for a shim on a stack, from its recorded scenarios.
+
+    For a speed shim the "bug" a scenario records is a difference from the
+    unpatched run (results or gradients out of tolerance), so it must never show.
+    """
     if not scenarios:
         return MISMATCH
     affected = {s["affected"] for s in scenarios.values()}
     if any(s["bug_with_shim"] for s in scenarios.values()):
         return MISMATCH
+    if kind == "speed":
+        if any(s["bug_without_shim"] for s in scenarios.values()):
+            return MISMATCH
+        return EQUIVALENT if affected == {True} else ABSENT if affected == {False} else MISMATCH
     if affected == {True}:
         return FIXED if any(s["bug_without_shim"] for s in scenarios.values()) else MISMATCH
     if affected == {False}:
@@ -72,8 +86,9 @@ def verdicts_from_evidence(directory: Path) -> Dict[str, Dict[str, dict]]:
     for path in sorted(Path(directory).glob("*.json")):
         run = json.loads(path.read_text())
         for shim_id, scenarios in run["results"].items():
+            kind = registry.shims()[shim_id].spec.kind if shim_id in registry.shims() else "fix"
             table.setdefault(shim_id, {})[run["stack"]] = {
-                "verdict": verdict(scenarios),
+                "verdict": verdict(scenarios, kind),
                 "scenarios": len(scenarios),
                 "reproduced": sum(1 for s in scenarios.values() if s["bug_without_shim"]),
             }
@@ -140,6 +155,8 @@ def _ranges(spec) -> str:
 
 
 def _fixed(spec) -> str:
+    if spec.kind == "speed":
+        return "n/a (speed)"
     return "<br>".join(f"{name} {version}" for name, version in spec.fixed_in.items()) or "unfixed upstream"
 
 
@@ -179,8 +196,10 @@ def render() -> str:
     lines += ["", "## Verified on pinned stacks", ""]
     lines += [
         "Every stack runs the whole test suite. In range, a shim's test reproduces the bug without the shim and",
-        "shows it gone with it; out of range, it shows the bug absent and the shim not applied. Cells give the",
-        "verdict and `reproduced/scenarios`.",
+        "shows it gone with it; out of range, it shows the bug absent and the shim not applied. A speed shim shows",
+        "the same results (logits and gradients within tolerance) with and without it. Cells give the verdict and",
+        "`reproduced/scenarios`; \"not run\" means no test of that shim can run on that stack (for example packing",
+        "below transformers 4.37, which accepts no custom mask, or flash-attn's files outside `fa_rotary`).",
         "",
     ]
     names = list(all_stacks)

@@ -31,9 +31,11 @@ def test_every_shim_has_recorded_evidence():
     for shim_id in registry.ids():
         per_stack = verified["shims"].get(shim_id, {})
         assert per_stack, f"{shim_id}: no stack recorded its reproduction"
-        assert any(e["verdict"] == matrix.FIXED for e in per_stack.values()), (
-            f"{shim_id}: no stack reproduced the bug and showed it fixed"
+        wanted = matrix.EQUIVALENT if registry.get(shim_id).spec.kind == "speed" else matrix.FIXED
+        assert any(e["verdict"] == wanted for e in per_stack.values()), (
+            f"{shim_id}: no stack shows the verdict {wanted!r}"
         )
+        assert not [s for s, e in per_stack.items() if e["verdict"] == matrix.MISMATCH], shim_id
 
 
 def _run(tmp_path, stack, results):
@@ -50,6 +52,8 @@ def test_verdicts():
     assert matrix.verdict({"a": dict(outside, bug_without_shim=True)}) == matrix.MISMATCH, "bug outside the range"
     assert matrix.verdict({"a": dict(ok, bug_with_shim=True)}) == matrix.MISMATCH, "shim did not fix it"
     assert matrix.verdict({}) == matrix.MISMATCH
+    assert matrix.verdict({"a": healthy}, kind="speed") == matrix.EQUIVALENT
+    assert matrix.verdict({"a": ok}, kind="speed") == matrix.MISMATCH, "a speed shim's run differed"
 
 
 def test_evidence_comparison_flags_disagreement(tmp_path, monkeypatch):
