@@ -38,7 +38,7 @@ from .report import (
     ShimStatus,
 )
 from .spec import SPEED, TargetMissing
-from .versions import explain_mismatch, in_range, installed_versions
+from .versions import cached, explain_mismatch, in_range, installed_versions
 
 log = logging.getLogger("ftshims")
 
@@ -213,7 +213,7 @@ def apply(only=None, exclude=None, strict: bool = False, include=None, options=N
     options = dict(options or {})
     _check_ids(options, "options")
     waited = set()
-    with LOCK:
+    with LOCK, cached():
         settle()  # deferred installs whose module finished importing without telling us (a race)
         for shim in registry.shims().values():
             record = _RECORDS.setdefault(shim.id, _Record())
@@ -260,7 +260,7 @@ def revert(only=None) -> Report:
 
 def status() -> Report:
     """The current state of every registered shim."""
-    with LOCK:
+    with LOCK, cached():
         settle()
         entries = []
         for shim in registry.shims().values():

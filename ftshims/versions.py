@@ -17,22 +17,47 @@ when ``prereleases`` is left unset). The semantics are PEP 440's:
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+import contextlib
+from typing import Dict, Iterator, Mapping, Optional
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+# Set while a manager call runs: each lookup scans sys.path (~3 ms), and one
+# apply() asks for the same few distributions a dozen times.
+_CALL_CACHE: Optional[Dict[str, Optional[str]]] = None
+
+
+@contextlib.contextmanager
+def cached() -> Iterator[None]:
+    """Memoise :func:`installed_version` for the duration of the block (re-entrant)."""
+    global _CALL_CACHE
+    outermost = _CALL_CACHE is None
+    if outermost:
+        _CALL_CACHE = {}
+    try:
+        yield
+    finally:
+        if outermost:
+            _CALL_CACHE = None
+
 
 def installed_version(distribution: str) -> Optional[str]:
     """The installed version string of ``distribution``, or None if absent or unreadable."""
+    cache = _CALL_CACHE
+    if cache is not None and distribution in cache:
+        return cache[distribution]
     from importlib import metadata
 
     try:
-        return metadata.version(distribution)
+        version = metadata.version(distribution)
     except metadata.PackageNotFoundError:
-        return None
+        version = None
     except Exception:  # broken metadata (e.g. a half-deleted dist-info) reads as absent
-        return None
+        version = None
+    if cache is not None:
+        cache[distribution] = version
+    return version
 
 
 def installed_versions(distributions) -> Dict[str, Optional[str]]:
