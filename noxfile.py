@@ -132,7 +132,12 @@ def nvcc(session: nox.Session) -> None:
     session.run("python", "tools/nvcc_compile_check.py", "--arch", "80", "90", env={"PYTHONPATH": str(ROOT)})
 
 
-@nox.session(python="3.11", venv_backend="none")
+@nox.session(python="3.11")
 def canary(session: nox.Session) -> None:
-    """Every shim's targets exist, with their parameters, in the tracked and newest releases (downloads)."""
-    session.run(sys.executable, "-m", "ftshims.matrix", "--canary", *session.posargs, env={"PYTHONPATH": str(ROOT)})
+    """Every shim's targets exist, with their parameters, in the tracked and newest releases (downloads).
+
+    Nothing downloaded is installed; torch is here only because flash-attn's setup.py imports it
+    while pip prepares the sdist.
+    """
+    session.install(*_torch_source(), TORCH, "pip", "setuptools", "wheel", "packaging", "wrapt")
+    session.run("python", "-m", "ftshims.matrix", "--canary", *session.posargs, env={"PYTHONPATH": str(ROOT)})

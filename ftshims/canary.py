@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -74,9 +75,14 @@ def _download(package: str, version: Optional[str], cache: Path) -> Path:
     requirement = f"{package}=={version}" if version else package
     before = set(cache.iterdir())
     command = _pip() + ["download", "--no-deps", "-q", "-d", str(cache), requirement]
+    env = None
     if package == "flash-attn":
-        command[-1:-1] = ["--no-binary", ":all:"]  # its PyPI wheels are build-specific; the sdist has the Python files
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        # Its PyPI wheels are build-specific; the sdist has the Python files. Its setup.py imports torch
+        # even to list build requirements, so pip must use this environment (which has torch) rather
+        # than an isolated one, and must not start a CUDA build.
+        command[-1:-1] = ["--no-binary", ":all:", "--no-build-isolation"]
+        env = dict(os.environ, FLASH_ATTENTION_SKIP_CUDA_BUILD="TRUE")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"pip download {requirement} failed: {result.stderr.strip()[-300:]}")
     new = set(cache.iterdir()) - before

@@ -293,6 +293,7 @@ def test_real_probe_run_end_to_end(real_probe_run):
     # 30 s on an idle 2-core machine; generous for a loaded CI box (see docs/doctor-json.md for measurements)
     assert seconds < 180, seconds
     rows = {row["shim_id"]: row for row in data["probes"]["results"]}
+    unfixable = {}
     assert list(rows) == list(registry.ids())
     assert data["probes"]["servers_started"] == 1
     for shim_id, row in rows.items():
@@ -309,14 +310,21 @@ def test_real_probe_run_end_to_end(real_probe_run):
             continue
         affected, _ = in_affected_range(shim_id)
         assert row["affected"] == affected
-        assert row["bug_with_shim"] is False, row  # every real shim removes its bug on its own stack
-        if not affected and row["bug_without_shim"]:
-            # present but unfixable on these versions (packing below 4.37): an advisory must say so
-            assert [a for a in advisories.matching() if shim_id in (a.related_shims or ())], row
-        elif not affected:
-            assert row["bug_without_shim"] is False, row  # the gate: no bug outside the range
+        if affected:
+            assert row["bug_with_shim"] is False, row  # every real shim removes its bug on its own stack
+        elif row["bug_without_shim"]:
+            # present but unfixable on these versions (packing below 4.37): an advisory must say so, and the
+            # doctor reports the bug as unpatched, pointing at that advisory
+            covering = [a.id for a in advisories.matching() if shim_id in (a.related_shims or ())]
+            assert covering, row
+            unfixable[shim_id] = covering
+        else:
+            assert row["bug_with_shim"] is False, row  # the gate: no bug outside the range
     assert data["summary"]["exit_code"] == result.returncode
-    assert not [p for p in data["summary"]["problems"] if p["source"] == "probe"]
+    probe_problems = {p["id"]: p["message"] for p in data["summary"]["problems"] if p["source"] == "probe"}
+    assert set(probe_problems) == set(unfixable)
+    for shim_id, covering in unfixable.items():
+        assert all(advisory_id in probe_problems[shim_id] for advisory_id in covering)
 
 
 def test_probe_keys_and_values_are_documented():

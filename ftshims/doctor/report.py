@@ -373,7 +373,12 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
     probe_rows = report["probes"]["results"]
     for result in probe_rows:
         if _probe_problem(result):
-            problems.append({"source": "probe", "id": result.get("shim_id"), "message": result.get("detail", "")})
+            message = result.get("detail", "")
+            # Out of the shim's range there is nothing to patch; the advisory says what to do instead.
+            covering = [a["id"] for a in report["advisories"] if result.get("shim_id") in (a.get("related_shims") or ())]
+            if covering:
+                message += f" (see advisory {', '.join(covering)})"
+            problems.append({"source": "probe", "id": result.get("shim_id"), "message": message})
     for finding in report["findings"]:
         if finding.get("severity") == "error":
             problems.append({"source": "finding", "id": finding.get("rule"), "message": finding.get("message", "")})
