@@ -434,28 +434,9 @@ class ProbeRun:
             try:
                 message = server.receive(min(deadlines) - now)
             except WorkerTimeout:
-                server.kill()
-                tail = server.stderr_tail()
-                for index, start in inflight.items():
-                    task = remaining.pop(index)
-                    self._record(
-                        task,
-                        failed_row(task, TIMEOUT, f"no answer within {self.timeout_s:g} s; the probe process was killed",
-                                   time.monotonic() - start, tail),
-                    )
-                    progressed = True
-                return progressed
+                return self._fail_inflight(server, remaining, inflight, TIMEOUT) or progressed
             except WorkerGone:
-                server.kill()
-                tail = server.stderr_tail()
-                for index, start in inflight.items():
-                    task = remaining.pop(index)
-                    self._record(
-                        task,
-                        failed_row(task, CRASHED, f"the probe process died ({server.exit_text()})", time.monotonic() - start, tail),
-                    )
-                    progressed = True
-                return progressed
+                return self._fail_inflight(server, remaining, inflight, CRASHED) or progressed
             event = message.get("event")
             if event == "start" and message.get("index") in remaining:
                 inflight[message["index"]] = time.monotonic()
@@ -468,6 +449,19 @@ class ProbeRun:
             elif event == "done":
                 break
         return progressed
+
+    def _fail_inflight(self, server: Server, remaining: Dict[int, Task], inflight: Dict[int, float], status: str) -> bool:
+        """Kill a hung (TIMEOUT) or dead (CRASHED) server and record its in-flight probes as failed; True if any."""
+        server.kill()  # first: the exit status of a dead server is known only once it is reaped
+        if status == TIMEOUT:
+            why = f"no answer within {self.timeout_s:g} s; the probe process was killed"
+        else:
+            why = f"the probe process died ({server.exit_text()})"
+        tail = server.stderr_tail()
+        for index, start in inflight.items():
+            task = remaining.pop(index)
+            self._record(task, failed_row(task, status, why, time.monotonic() - start, tail))
+        return bool(inflight)
 
     # results ---------------------------------------------------------------------------
 

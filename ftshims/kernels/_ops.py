@@ -99,14 +99,6 @@ def make_inplace_function():
 
         @staticmethod
         def backward(ctx, *grads):
-            cos, sin, inv_freq, positions, seqlen_offsets, cu_seqlens = ctx.saved_tensors
-            offset, rotary_dim, interleaved, conjugate, scaling = ctx.args
-            grad_q = grads[0]
-            grad_k = grads[1] if ctx.has_k else None
-            outs = torch.ops.ftshims.rotary(
-                grad_q, grad_k, cos, sin, inv_freq, positions, seqlen_offsets, cu_seqlens,
-                offset, rotary_dim, interleaved, not conjugate, scaling,
-            )
-            return (outs[0], outs[1] if ctx.has_k else None) + (None,) * 11
+            return _backward(ctx, grads)  # the same conjugate rotation as the out-of-place op
 
     return InplaceRotary
