@@ -71,6 +71,12 @@ def parse_version(version: str) -> Optional[Version]:
         return None
 
 
+def older_than(version: Optional[str], bound: str) -> bool:
+    """True when ``version`` is known, valid and below ``bound``; False for a missing or unparsable one."""
+    parsed = parse_version(version) if version else None
+    return parsed is not None and parsed < Version(bound)
+
+
 def in_range(version: Optional[str], specifier: str) -> bool:
     """True when ``version`` satisfies ``specifier`` (pre-releases included)."""
     if version is None:

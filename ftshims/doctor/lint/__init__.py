@@ -29,6 +29,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from ...versions import older_than
 from . import deepspeed as ds_rules
 from . import llamafactory as lf
 from . import rules
@@ -130,15 +131,7 @@ class Context:
         return None
 
     def version_lt(self, package: str, bound: str) -> bool:
-        from packaging.version import InvalidVersion, Version
-
-        version = self.versions.get(package)
-        if not version:
-            return False
-        try:
-            return Version(version) < Version(bound)
-        except InvalidVersion:
-            return False
+        return older_than(self.versions.get(package), bound)
 
     def model_info(self) -> Optional[ModelInfo]:
         """The model's module inventory (built once); None when there is no usable config.json."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, Dict, Optional
 
+from ...versions import older_than
 from .findings import ERROR, INFO, WARNING, finding
 from .inputs import TrainView, as_bool, as_number
 
@@ -304,7 +305,7 @@ def check_zero3_load(ds: Dict[str, Any], train: Optional[TrainView], transformer
     low = kwargs.get("low_cpu_mem_usage", train.get("low_cpu_mem_usage"))
     where = "model_init_kwargs.low_cpu_mem_usage" if "low_cpu_mem_usage" in kwargs else "low_cpu_mem_usage"
     if as_bool(low):
-        old = _older_than(transformers_version, "4.51")
+        old = older_than(transformers_version, "4.51")
         add(
             finding(
                 "ds-zero3-device-map",
@@ -320,17 +321,6 @@ def check_zero3_load(ds: Dict[str, Any], train: Optional[TrainView], transformer
                 key=where,
             )
         )
-
-
-def _older_than(version: Optional[str], bound: str) -> bool:
-    if not version:
-        return False
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version) < Version(bound)
-    except InvalidVersion:
-        return False
 
 
 def _lookup(ds: Dict[str, Any], dotted: str):
