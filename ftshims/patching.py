@@ -15,12 +15,22 @@ then every active layer on top", so that
   into pass-throughs (each wrapper checks its layer's ``active`` flag) and a
   warning says so, instead of clobbering the other patch.
 
-Wrappers are ``wrapt.FunctionWrapper`` objects, which bind correctly as
-functions, methods, classmethods and staticmethods and keep ``__wrapped__``.
+A wrapper is a *plain Python function* whenever the patched object is one
+(module functions, methods defined in a class body, registry entries): it
+carries ``__wrapped__`` and the original's name and signature, and
+``torch.compile`` traces *it*. A ``wrapt.FunctionWrapper`` proxy would not do
+there: it passes ``isinstance(w, types.FunctionType)``, so dynamo traces the
+wrapped original's code and the shim silently vanishes from the compiled
+graph (or dynamo's guards on ``__closure__``/``__defaults__`` fail). Anything
+else (classmethod/staticmethod objects, builtins, callable instances) is
+wrapped with ``wrapt.FunctionWrapper``, which binds those correctly. Either
+way the shim's wrapper has wrapt's signature ``(wrapped, instance, args,
+kwargs)``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import sys
@@ -131,7 +141,7 @@ def _sweepable(value: Any) -> bool:
     Never constants: ``None``, ``False`` or a small int are shared by every
     module, and "restoring" their copies would rewrite unrelated globals.
     """
-    return isinstance(value, (wrapt.ObjectProxy, types.FunctionType, type))
+    return isinstance(value, (wrapt.ObjectProxy, types.FunctionType, type))  # plain wrappers are functions
 
 
 def _sweep_copies(replacements: Dict[int, Tuple[Any, Any]]) -> None:
@@ -184,6 +194,59 @@ def _guarded(layer: _Layer, wrapper: Callable) -> Callable:
         return wrapped(*args, **kwargs)
 
     return guarded
+
+
+def _plain_wrapper(inner: Callable, layer: _Layer, wrapper: Callable, method: bool) -> Callable:
+    """A plain function calling ``wrapper(wrapped, instance, args, kwargs)`` like wrapt would.
+
+    ``method``: ``inner`` sits in a class body, so the first argument is the
+    instance (``obj.f(x)`` and ``Cls.f(obj, x)`` alike, as with wrapt). The
+    wrapper passes through once its layer is deactivated; under
+    ``torch.compile`` that flag is an ordinary guarded attribute.
+    """
+    if method:
+
+        @functools.wraps(inner)
+        def patched(self, *args, **kwargs):
+            if layer.active:
+                return wrapper(inner.__get__(self, type(self)), self, args, kwargs)
+            return inner(self, *args, **kwargs)
+
+    else:
+
+        @functools.wraps(inner)
+        def patched(*args, **kwargs):
+            if layer.active:
+                return wrapper(inner, None, args, kwargs)
+            return inner(*args, **kwargs)
+
+    patched.__ftshims_shim__ = layer.shim_id
+    return patched
+
+
+def _wrapper_builder(layer: _Layer, wrapper: Callable, method: bool) -> Callable[[Any], Any]:
+    def build(inner: Any) -> Any:
+        if type(inner) is types.FunctionType:
+            return _plain_wrapper(inner, layer, wrapper, method)
+        return wrapt.FunctionWrapper(inner, _guarded(layer, wrapper))
+
+    return build
+
+
+def is_shim_wrapper(value: Any) -> bool:
+    """True for an object a shim installed with :meth:`Patcher.wrap` (plain function or wrapt proxy)."""
+    if isinstance(value, wrapt.FunctionWrapper):
+        return True
+    return type(value) is types.FunctionType and "__ftshims_shim__" in vars(value)
+
+
+def wrapper_depth(value: Any) -> int:
+    """How many shim wrappers are stacked on ``value`` (for tests)."""
+    depth = 0
+    while is_shim_wrapper(value):
+        depth += 1
+        value = value.__wrapped__
+    return depth
 
 
 # ---------------------------------------------------------------------------
@@ -433,10 +496,13 @@ class Patcher:
             return slot.written
 
     def wrap(self, owner: Any, name: str, wrapper: Callable) -> Any:
-        """Wrap ``owner.name`` with a wrapt-style ``wrapper(wrapped, instance, args, kwargs)``."""
-        return self._push(
-            owner, name, False, lambda layer: lambda inner: wrapt.FunctionWrapper(inner, _guarded(layer, wrapper))
-        )
+        """Wrap ``owner.name`` with a wrapt-style ``wrapper(wrapped, instance, args, kwargs)``.
+
+        On a class, a function defined in (or inherited into) the class body is
+        wrapped as a method: ``instance`` is the object it was called on.
+        """
+        method = isinstance(owner, type)
+        return self._push(owner, name, False, lambda layer: _wrapper_builder(layer, wrapper, method))
 
     def replace(self, owner: Any, name: str, new: Any) -> Any:
         """Replace ``owner.name`` with ``new`` outright (a class, a constant, a bound hook)."""
@@ -448,9 +514,7 @@ class Patcher:
 
     def wrap_item(self, mapping: Any, key: Any, wrapper: Callable, label: Optional[str] = None) -> Any:
         """Wrap ``mapping[key]`` (a function in a registry) like :meth:`wrap`; ``label`` names it in reports."""
-        return self._push(
-            mapping, key, True, lambda layer: lambda inner: wrapt.FunctionWrapper(inner, _guarded(layer, wrapper)), label
-        )
+        return self._push(mapping, key, True, lambda layer: _wrapper_builder(layer, wrapper, False), label)
 
     def wrap_aliases(self, original: Any, wrapper: Callable, packages: Optional[Iterable[str]] = None) -> int:
         """Wrap every module-level name bound to ``original``, in ``packages`` or (None) in every module.

@@ -18,11 +18,10 @@ import textwrap
 import threading
 
 import pytest
-import wrapt
 
 import ftshims
 from ftshims import _manager, registry
-from ftshims.patching import resolve
+from ftshims.patching import resolve, wrapper_depth
 from ftshims.probing import in_affected_range
 from ftshims.versions import in_range, installed_version
 
@@ -134,10 +133,7 @@ def test_eight_threads_and_cycles(shim_id):
         assert record.status in ("applied", "deferred", "target missing"), (record.status, record.reason)
         for container, key, is_item, original in (record.patcher.slots if record.patcher else []):
             value = container[key] if is_item else vars(container).get(key)
-            depth = 0
-            while isinstance(value, wrapt.FunctionWrapper):
-                depth += 1
-                value = value.__wrapped__
+            depth = wrapper_depth(value)
             assert depth <= 1, f"{key} wrapped {depth} times"
         ftshims.revert()
         after = _snapshot()
@@ -185,8 +181,9 @@ def test_module_raising_on_import_never_breaks_apply():
 def test_apply_before_and_after_import_agree():
     """Same statuses and the same wrapped call sites whether apply() runs before or after the imports."""
     code = """
-        import inspect, json, importlib, sys, wrapt, ftshims
+        import inspect, json, importlib, sys, ftshims
         from ftshims import registry
+        from ftshims.patching import is_shim_wrapper
         import_all = registry.import_shim_modules
         def wrapped_sites():
             sites = []
@@ -194,10 +191,10 @@ def test_apply_before_and_after_import_agree():
                 if module is None or name.split(".")[0] not in ("transformers", "peft", "trl"):
                     continue
                 for attr, value in list(vars(module).items()):
-                    if isinstance(value, wrapt.FunctionWrapper):
+                    if is_shim_wrapper(value):
                         sites.append(name + ":" + attr)
                     if inspect.isclass(value) and value.__module__ == name:
-                        sites += [name + ":" + attr + "." + a for a, v in vars(value).items() if isinstance(v, wrapt.FunctionWrapper)]
+                        sites += [name + ":" + attr + "." + a for a, v in vars(value).items() if is_shim_wrapper(v)]
             return sorted(sites)
         {first}
         ftshims.apply()

@@ -13,6 +13,7 @@ import pytest
 
 import ftshims
 from ftshims import registry
+from ftshims.patching import wrapper_depth
 
 PACKAGES = ("transformers", "peft", "trl", "torch", "flash_attn")
 
@@ -68,10 +69,7 @@ def test_every_target_wrapped_at_most_once():
         assert len(keys) == len(set(keys)), shim_id
         for container, key, is_item, _ in record.patcher.slots:
             value = container[key] if is_item else vars(container).get(key)
-            depth, seen = 0, value
-            while hasattr(seen, "__wrapped__") and type(seen).__module__.startswith("wrapt"):
-                depth += 1
-                seen = seen.__wrapped__
+            depth = wrapper_depth(value)
             assert depth <= sum(1 for s in _manager._RECORDS.values() if s.patcher and any(
                 c is container and k == key for c, k, _, _ in s.patcher.slots)), (shim_id, key)
 

@@ -126,3 +126,34 @@ def test_applied_before_transformers_is_imported():
     assert out.returncode == 0, out.stderr[-2000:]
     error = float(out.stdout.split("ERROR")[-1])
     assert error < 2 ** -8, out.stdout
+
+
+def test_model_cast_before_apply_is_repaired_at_its_first_forward():
+    """apply() after model.to(bfloat16): no cast happens under the shim, so the forward check repairs it."""
+    import ftshims
+    from ftshims import tiny
+    from ftshims.probing import in_affected_range
+    from ftshims.shims.rope_inv_freq_fp32 import THRESHOLD, rope_error
+
+    torch = pytest.importorskip("torch")
+    model = tiny.tiny_llama(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                            num_hidden_layers=1, max_position_embeddings=4096).to(torch.bfloat16)
+    with tiny.quiet():
+        before = rope_error(model, 4096)
+    with ftshims.applied(only=["rope_inv_freq_fp32"]):
+        with tiny.quiet():
+            after = rope_error(model, 4096)
+    if in_affected_range("rope_inv_freq_fp32")[0] and RECOMPUTES_EVERY_CALL:
+        assert before > THRESHOLD, "negative control"
+    assert after < THRESHOLD
+
+
+def test_fp64_models_are_left_alone():
+    import ftshims
+    from ftshims import tiny
+
+    torch = pytest.importorskip("torch")
+    with ftshims.applied(only=["rope_inv_freq_fp32"]):
+        model = tiny.tiny_llama().to(torch.float64)
+        buffers = {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    assert buffers and all(b.dtype == torch.float64 for b in buffers.values())

@@ -26,7 +26,7 @@ import contextvars
 import inspect
 import logging
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 log = logging.getLogger("ftshims")
 
@@ -74,28 +74,31 @@ def transformers_version():
 # Reading the call
 
 
-_SIGNATURES: Dict[Any, inspect.Signature] = {}
+def binder(forward):
+    """A trace-friendly ``bind(args, kwargs) -> dict | None`` for a decoder ``forward(self, ...)``.
+
+    The parameter names are read once, at install time, so that binding a
+    call is plain tuple/dict work that ``torch.compile`` traces without a
+    graph break (``inspect.signature`` at call time would not be). Returns
+    None for more positional arguments than named parameters (``*args``).
+    """
+    params = list(inspect.signature(forward).parameters.values())[1:]  # without self
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in params if p.kind in positional)
+
+    def bind(args, kwargs):
+        if len(args) > len(names):
+            return None
+        call = dict(zip(names, args))
+        call.update(kwargs)
+        return call
+
+    return bind
 
 
-def call_kwargs(wrapped, args, kwargs) -> Dict[str, Any]:
-    """The call's arguments as one keyword dict (positional ones bound by name)."""
-    if not args:
-        return dict(kwargs)
-    func = getattr(wrapped, "__func__", wrapped)
-    sig = _SIGNATURES.get(func)
-    if sig is None:
-        sig = _SIGNATURES[func] = inspect.signature(wrapped)
-    bound = sig.bind_partial(*args, **kwargs)
-    out = {}
-    for name, value in bound.arguments.items():
-        kind = sig.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            out.update(value)
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            raise TypeError("unexpected *args in a decoder forward")
-        else:
-            out[name] = value
-    return out
+def takes_extra_kwargs(forward) -> bool:
+    """Whether ``forward`` has a ``**kwargs`` catch-all (passed on to the attention layers from 4.47)."""
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
 
 
 def cache_key(kwargs) -> str:
@@ -135,7 +138,7 @@ def embed_dtype(model, kwargs):
 # Segments and masks
 
 
-def segments(position_ids, attention_mask=None):
+def segments(position_ids, attention_mask=None, always: bool = False):
     """``(segment_ids, real)`` for a batch whose rows hold several examples, else None.
 
     A new segment starts wherever ``position_ids`` restart at 0 between two real
@@ -143,6 +146,10 @@ def segments(position_ids, attention_mask=None):
     there is none). Padding next to a restart does not count, so the position
     ids of a left-padded generation batch (``[1, 1, 0, 1, 2]``) are not packed.
     Returns None for 1D/3D position ids, a single token, or rows with one example.
+
+    ``always=True`` (under ``torch.compile``) skips that last, data-dependent
+    test: rows of one example then get one segment each, whose block-causal
+    mask is the plain causal mask with padding.
     """
     import torch
 
@@ -161,7 +168,7 @@ def segments(position_ids, attention_mask=None):
         real = torch.ones_like(position_ids, dtype=torch.bool)
     starts = torch.zeros_like(real)
     starts[:, 1:] = (position_ids[:, 1:] == 0) & real[:, 1:] & real[:, :-1]
-    if not bool(starts.any()):
+    if not always and not bool(starts.any()):
         return None
     return starts.long().cumsum(-1), real
 
@@ -284,9 +291,33 @@ def passthrough(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+class Family(NamedTuple):
+    """What the forward wrappers need to know about a decoder class, read once at install time
+    (so that nothing version- or signature-related is looked up inside a ``torch.compile`` trace)."""
+
+    extra_kwargs: bool  # forward(**kwargs) passes extra keyword arguments on (flash varlen kwargs, 4.47+)
+    passthrough: bool  # its mask code needs the pass-through wrappers (see needs_passthrough)
+    bool_misread: Dict[str, bool]  # attn implementation -> whether a bool 4D mask is mishandled
+
+
+def bool_misread(model_class) -> Dict[str, bool]:
+    """Per attention implementation, whether this class's mask code mishandles a bool 4D mask:
+    handed to torch's sdpa as a boolean mask (correct) from 4.44; 4.41–4.43 reject it; eager
+    adds it as 0/1 everywhere; the pass-through versions need every mask converted."""
+    if needs_passthrough(model_class):
+        return {"eager": True, "sdpa": True}
+    return {"eager": True, "sdpa": transformers_version().release[:2] < (4, 44)}
+
+
 def install_family(patcher, model_type: str, forward_wrapper) -> None:
     """Wrap ``<Family>Model.forward`` when the family's modeling module is imported, and the
-    mask code that would not take an additive 4D mask as-is (see :func:`needs_passthrough`)."""
+    mask code that would not take an additive 4D mask as-is (see :func:`needs_passthrough`).
+
+    ``forward_wrapper(wrapped, instance, call, family)`` gets the call's
+    arguments as one keyword dict (bound by :func:`binder`) and the
+    :class:`Family` facts read at install time; it returns ``wrapped(**call)``
+    with whatever it changed.
+    """
     from ..patching import require_params
     from ..spec import TargetMissing
 
@@ -306,7 +337,16 @@ def install_family(patcher, model_type: str, forward_wrapper) -> None:
                     raise TargetMissing(f"{module_name}: no _update_causal_mask and no _prepare_4d_causal_attention_mask")
                 for name in found:
                     patcher.wrap(module, name, passthrough)
-        patcher.wrap(cls, "forward", forward_wrapper)
+        bind = binder(cls.forward)
+        family = Family(takes_extra_kwargs(cls.forward), needs_passthrough(cls), bool_misread(cls))
+
+        def adapter(wrapped, instance, args, kwargs):
+            call = bind(args, kwargs)
+            if call is None:
+                return wrapped(*args, **kwargs)
+            return forward_wrapper(wrapped, instance, call, family)
+
+        patcher.wrap(cls, "forward", adapter)
 
     patcher.when_imported(module_name, part)
 
@@ -324,11 +364,6 @@ def handing_down(mask):
             PASS_THROUGH.reset(token)
 
     return scope()
-
-
-def family_of(model) -> Optional[str]:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return model_type if model_type in FAMILIES else None
 
 
 _WARNED = set()

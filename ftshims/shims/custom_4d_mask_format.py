@@ -35,6 +35,7 @@ form). Below 4.37 no custom 4D mask is accepted at all. Eager and sdpa only.
 
 from __future__ import annotations
 
+from .._util import compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from . import _packing
 
@@ -66,29 +67,42 @@ def misread(model_class, attn: str, form: str) -> bool:
         return True  # 4.37–4.41 helpers / 4.38–4.40 _update_causal_mask: converted and passed through
     if form == _packing.ADDITIVE:
         return False
-    if form == _packing.BOOL and attn == "sdpa":
-        # handed to torch's sdpa as a boolean mask (correct) from 4.44; 4.41–4.43 reject it (max != 0)
-        return _packing.transformers_version().release[:2] < (4, 44)
+    if form == _packing.BOOL:
+        return _packing.bool_misread(model_class)[attn]
     return True
 
 
-def _forward(wrapped, instance, args, kwargs):
+def _forward(wrapped, instance, call, family):
     config = instance.config
     attn = getattr(config, "_attn_implementation", None)
     if attn not in _packing.EAGER_LIKE:
-        return wrapped(*args, **kwargs)
-    call = _packing.call_kwargs(wrapped, args, kwargs)
+        return wrapped(**call)
     mask = call.get("attention_mask")
-    if mask is None or getattr(mask, "ndim", None) != 4 or mask is _packing.PASS_THROUGH.get():
-        return wrapped(*args, **kwargs)
+    if mask is None or getattr(mask, "ndim", None) != 4:
+        return wrapped(**call)
+    if compiling():
+        # Inside a trace only the dtype can decide (telling binary from additive floats reads
+        # the values): bool masks are converted where misread; float masks pass as they are.
+        if family.passthrough or not family.bool_misread[attn] or mask.dtype != _torch().bool:
+            return wrapped(**call)
+        call["attention_mask"] = _packing.to_form(mask, _packing.ADDITIVE, _packing.embed_dtype(instance, call))
+        return wrapped(**call)
+    if mask is _packing.PASS_THROUGH.get():
+        return wrapped(**call)
     form = _packing.read_form(mask)
     if form is None or not misread(type(instance), attn, form):
-        return wrapped(*args, **kwargs)
+        return wrapped(**call)
     allowed = _packing.allowed_from(mask, form)
     converted = _packing.to_form(allowed, _packing.ADDITIVE, _packing.embed_dtype(instance, call))
     call["attention_mask"] = converted
     with _packing.handing_down(converted):
         return wrapped(**call)
+
+
+def _torch():
+    import torch
+
+    return torch
 
 
 def install(patcher, options) -> None:

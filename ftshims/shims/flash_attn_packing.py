@@ -43,6 +43,7 @@ unless the model's attention implementation is a flash one.
 
 from __future__ import annotations
 
+from .._util import compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from . import _packing
 
@@ -89,59 +90,55 @@ def varlen_kwargs(segment_ids, real):
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def _forward(wrapped, instance, args, kwargs):
+def _forward(wrapped, instance, call, family):
     if not is_flash(getattr(instance.config, "_attn_implementation", None)):
-        return wrapped(*args, **kwargs)
-    call = _packing.call_kwargs(wrapped, args, kwargs)
+        return wrapped(**call)
     position_ids = call.get("position_ids")
     mask = call.get("attention_mask")
     if position_ids is None or (mask is not None and getattr(mask, "ndim", None) != 2):
-        return wrapped(*args, **kwargs)
+        return wrapped(**call)
     if call.get(_packing.cache_key(call)) is not None:
-        return wrapped(*args, **kwargs)  # generation
+        return wrapped(**call)  # generation
+    if compiling():
+        # cu_seqlens and their max length are read from the values: no data-independent
+        # form exists, so under torch.compile the call is left as it is.
+        return wrapped(**call)
     given = all(call.get(name) is not None for name in VARLEN_KWARGS)
     if given:
         if mask is not None and bool((mask != 0).all()):
             del call["attention_mask"]  # the all-ones mask would win over the caller's cu_seq_lens
             call["use_cache"] = False
-            return wrapped(**call)
-        return wrapped(*args, **kwargs)
+        return wrapped(**call)
     found = _packing.segments(position_ids, mask)
     if found is None:
-        return wrapped(*args, **kwargs)
+        return wrapped(**call)
     segment_ids, real = found
     call.pop("attention_mask", None)
     call["use_cache"] = False
-    if _accepts_varlen_kwargs(wrapped):
+    if family.extra_kwargs and _flash_takes_varlen_kwargs():
         call.update(varlen_kwargs(segment_ids, real))
     else:  # 4.44–4.52: transformers derives cu_seqlens from position_ids == 0 over the flattened batch
         call["position_ids"] = position_ids.expand(real.shape[0], -1).masked_fill(~real, 0)
     return wrapped(**call)
 
 
-_ACCEPTS = {}
+_FLASH_TAKES = []
 
 
-def _accepts_varlen_kwargs(forward) -> bool:
-    """4.47+: ``_flash_attention_forward`` takes ``cu_seq_lens_*`` and this model's forward passes
-    extra keyword arguments on to its attention layers."""
-    import inspect
-    import sys
+def _flash_takes_varlen_kwargs() -> bool:
+    """4.47+: ``_flash_attention_forward`` takes ``cu_seq_lens_*`` (read once per install)."""
+    if not _FLASH_TAKES:
+        import inspect
+        import sys
 
-    func = getattr(forward, "__func__", forward)
-    known = _ACCEPTS.get(func)
-    if known is None:
         module = sys.modules.get("transformers.modeling_flash_attention_utils")
         flash = getattr(module, "_flash_attention_forward", None)
-        takes = flash is not None and "cu_seq_lens_q" in inspect.signature(flash).parameters
-        params = inspect.signature(forward).parameters.values()
-        passes = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-        known = _ACCEPTS[func] = takes and passes
-    return known
+        _FLASH_TAKES.append(flash is not None and "cu_seq_lens_q" in inspect.signature(flash).parameters)
+    return _FLASH_TAKES[0]
 
 
 def install(patcher, options) -> None:
-    _ACCEPTS.clear()
+    _FLASH_TAKES.clear()
     for model_type in _packing.FAMILIES:
         _packing.install_family(patcher, model_type, _forward)
 

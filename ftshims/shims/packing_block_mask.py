@@ -39,6 +39,7 @@ missing is skipped (recorded in the shim's notes).
 
 from __future__ import annotations
 
+from .._util import compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from . import _packing
 
@@ -63,22 +64,34 @@ SPEC = ShimSpec(
 )
 
 
-def _forward(wrapped, instance, args, kwargs):
+def _forward(wrapped, instance, call, family):
     config = instance.config
     if getattr(config, "_attn_implementation", None) not in _packing.EAGER_LIKE:
-        return wrapped(*args, **kwargs)
-    call = _packing.call_kwargs(wrapped, args, kwargs)
+        return wrapped(**call)
     position_ids = call.get("position_ids")
     mask = call.get("attention_mask")
     if position_ids is None or (mask is not None and getattr(mask, "ndim", None) != 2):
-        return wrapped(*args, **kwargs)  # nothing to detect, or a 4D mask the caller built
+        return wrapped(**call)  # nothing to detect, or a 4D mask the caller built
     if call.get(_packing.cache_key(call)) is not None:
-        return wrapped(*args, **kwargs)  # an explicit cache: generation, not packing
+        return wrapped(**call)  # an explicit cache: generation, not packing
+    window = _packing.window_of(config)
+    if compiling():
+        # No look at the values inside a trace: the block mask is built from position_ids
+        # whatever they hold (one example per row gives the plain causal mask with padding),
+        # as transformers' own packed-sequence detection does when tracing. Sliding windows
+        # (a length check) and the 4.37-4.41 pass-through wrappers (a context variable) need
+        # Python-side decisions: those models are left as they are under compile.
+        if window is not None or family.passthrough:
+            return wrapped(**call)
+        segment_ids, real = _packing.segments(position_ids, mask, always=True)
+        allowed = _packing.allowed_pairs(segment_ids, real)
+        call["attention_mask"] = _packing.to_form(allowed, _packing.ADDITIVE, _packing.embed_dtype(instance, call))
+        call["use_cache"] = False
+        return wrapped(**call)
     found = _packing.segments(position_ids, mask)
     if found is None:
-        return wrapped(*args, **kwargs)
+        return wrapped(**call)
     segment_ids, real = found
-    window = _packing.window_of(config)
     if window is not None and max(_packing.segment_lengths(segment_ids, real)) > window:
         _packing.warn_once(
             ("packing_block_mask", "window", type(instance).__name__),
@@ -87,7 +100,7 @@ def _forward(wrapped, instance, args, kwargs):
             type(instance).__name__,
             window,
         )
-        return wrapped(*args, **kwargs)
+        return wrapped(**call)
     allowed = _packing.allowed_pairs(segment_ids, real)
     block = _packing.to_form(allowed, _packing.ADDITIVE, _packing.embed_dtype(instance, call))
     call["attention_mask"] = block

@@ -14,10 +14,13 @@ bf16 rounding, but a sequence longer than the table regrows it from the bf16
 damage is done before it. ``from_pretrained(torch_dtype=...)`` keeps fp32
 buffers; only a later cast breaks them.
 
-The fix: the ``forward`` of every ``*RotaryEmbedding`` class in the imported
-``transformers.models.*.modeling_*`` modules is wrapped. When a buffer named
-``inv_freq`` (or ``original_inv_freq``, ``<layer_type>_inv_freq``) is no longer
-fp32, it is recomputed in fp32 from the model's own rope parameters, with the
+The fix: every ``*RotaryEmbedding`` class in the imported
+``transformers.models.*.modeling_*`` modules gets a wrapped ``_apply`` (the
+method ``Module.to`` / ``.half()`` / ``.bfloat16()`` run on every submodule to
+cast it) and a wrapped ``forward``. Right after a cast, and at the first
+forward of a module cast before ``apply()``, a buffer named ``inv_freq`` (or
+``original_inv_freq``, ``<layer_type>_inv_freq``) that was cast to a 16-bit
+float is recomputed in fp32 from the model's own rope parameters, with the
 installed transformers' functions: ``rope_init_fn(config, device)`` /
 ``ROPE_INIT_FUNCTIONS[rope_type]`` (4.45+, 5.x ``config.rope_parameters``), else
 the module's ``base``/``dim`` (``config.rope_theta``, 4.31–4.44), else the
@@ -26,9 +29,13 @@ if rounding it to the cast dtype reproduces the cast buffer bit for bit, i.e.
 it provably is the value the module had before the cast; otherwise the module
 is left alone and the reason recorded in the shim's notes. On <= 4.37 a
 cos/sin table that was already regrown from the cast buffer is rebuilt at the
-next forward (``max_seq_len_cached`` is reset). fp32 models are
-untouched (the wrapper only compares a dtype). The buffer stays fp32 after the
+next forward (``max_seq_len_cached`` is reset). fp32 and fp64 models are
+untouched (the wrappers only compare a dtype). The buffer stays fp32 after the
 shim is reverted (a correct value, not a patch).
+
+Under ``torch.compile`` the repair is already done: it happens at cast time,
+outside any trace, so the compiled graph reads the fp32 buffer; the forward
+check steps aside inside a trace (mutating buffers there would break the graph).
 
 Applies to transformers >= 4.30 (unfixed through 5.24).
 """
@@ -40,6 +47,7 @@ import logging
 import os
 import sys
 
+from .._util import compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -165,7 +173,7 @@ def restore_fp32_inv_freq(module) -> list:
     problems = []
     restored = False
     for name, buf in list(module._buffers.items()):
-        if buf is None or not _is_inv_freq(name) or not buf.is_floating_point() or buf.dtype == torch.float32:
+        if buf is None or not _is_inv_freq(name) or buf.dtype not in (torch.bfloat16, torch.float16):
             continue
         if buf.device.type == "meta":
             continue
@@ -190,16 +198,22 @@ def restore_fp32_inv_freq(module) -> list:
 def install(patcher, options) -> None:
     seen_problems = set()
 
+    def repair(module) -> None:
+        for problem in restore_fp32_inv_freq(module):
+            if problem not in seen_problems:
+                seen_problems.add(problem)
+                patcher.notes.append(problem)
+                log.warning("ftshims: rope_inv_freq_fp32: %s; left as is", problem)
+
+    def apply_wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if instance is not None and _has_cast_inv_freq(instance):
+            repair(instance)
+        return result
+
     def forward_wrapper(wrapped, instance, args, kwargs):
-        if instance is not None:
-            for name, buf in instance._buffers.items():
-                if buf is not None and _is_inv_freq(name) and buf.dtype != _fp32():
-                    for problem in restore_fp32_inv_freq(instance):
-                        if problem not in seen_problems:
-                            seen_problems.add(problem)
-                            patcher.notes.append(problem)
-                            log.warning("ftshims: rope_inv_freq_fp32: %s; left as is", problem)
-                    break
+        if not compiling() and instance is not None and _has_cast_inv_freq(instance):
+            repair(instance)  # cast before apply() (or by code that bypasses Module._apply)
         return wrapped(*args, **kwargs)
 
     def install_part(module):
@@ -210,22 +224,26 @@ def install(patcher, options) -> None:
             if not (isinstance(obj, type) and attr.endswith("RotaryEmbedding") and obj.__module__ == module.__name__):
                 continue
             if issubclass(obj, torch.nn.Module) and "forward" in vars(obj):
+                patcher.wrap(obj, "_apply", apply_wrapper)
                 patcher.wrap(obj, "forward", forward_wrapper)
 
     for name in modeling_modules():
         patcher.when_imported(name, install_part)
 
 
-_FP32 = None
+_HALF = None
 
 
-def _fp32():
-    global _FP32
-    if _FP32 is None:
+def _has_cast_inv_freq(module) -> bool:
+    global _HALF
+    if _HALF is None:
         import torch
 
-        _FP32 = torch.float32
-    return _FP32
+        _HALF = (torch.bfloat16, torch.float16)
+    for name, buf in module._buffers.items():
+        if buf is not None and buf.dtype in _HALF and _is_inv_freq(name):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,34 @@
+"""Small helpers shared by the shims and the kernel; importing this module imports nothing heavy."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+_IS_COMPILING: Optional[Callable[[], bool]] = None
+
+
+def compiling() -> bool:
+    """True while ``torch.compile`` (dynamo) traces the calling code.
+
+    Inside a trace dynamo evaluates this to a constant, so ``if compiling():``
+    selects a branch at trace time and costs nothing at run time. Shims use it
+    to take a data-independent path there: a Python-side decision on tensor
+    *values* (a ``.max()``, ``bool(t.any())``) would otherwise be a graph break,
+    which ``fullgraph=True`` turns into an error.
+    """
+    global _IS_COMPILING
+    if _IS_COMPILING is None:
+        import torch
+
+        compiler = getattr(torch, "compiler", None)
+        _IS_COMPILING = getattr(compiler, "is_compiling", None) or torch._dynamo.is_compiling
+    return _IS_COMPILING()
+
+
+def warn_once(seen: set, key: Any, emit: Callable[[], None]) -> bool:
+    """Call ``emit()`` the first time ``key`` is seen in ``seen``; True when it did."""
+    if key in seen:
+        return False
+    seen.add(key)
+    emit()
+    return True
