@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import sys
 import threading
@@ -51,13 +52,33 @@ LOCK = threading.RLock()
 _MISSING = object()
 
 
+# Whether each layer is active, by layer key. A module-level dict, not an attribute of the layer
+# object: a plain wrapper reached through an object created inside a torch.compile trace has
+# no "source" for dynamo, which then cannot handle arbitrary objects in its closure, but it
+# can always read (and guard on) a module global.
+_ACTIVE: Dict[int, bool] = {}
+_KEYS = itertools.count()
+
+
 class _Layer:
-    __slots__ = ("shim_id", "build", "active")
+    __slots__ = ("shim_id", "build", "key")
 
     def __init__(self, shim_id: str):
         self.shim_id = shim_id
         self.build: Callable[[Any], Any] = lambda inner: inner
-        self.active = True
+        self.key = next(_KEYS)
+        _ACTIVE[self.key] = True
+
+    @property
+    def active(self) -> bool:
+        return _ACTIVE.get(self.key, False)
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        if value:
+            _ACTIVE[self.key] = True
+        else:
+            _ACTIVE.pop(self.key, None)
 
 
 class _Slot:
@@ -204,11 +225,12 @@ def _plain_wrapper(inner: Callable, layer: _Layer, wrapper: Callable, method: bo
     wrapper passes through once its layer is deactivated; under
     ``torch.compile`` that flag is an ordinary guarded attribute.
     """
+    key = layer.key
     if method:
 
         @functools.wraps(inner)
         def patched(self, *args, **kwargs):
-            if layer.active:
+            if _ACTIVE.get(key, False):
                 return wrapper(inner.__get__(self, type(self)), self, args, kwargs)
             return inner(self, *args, **kwargs)
 
@@ -216,7 +238,7 @@ def _plain_wrapper(inner: Callable, layer: _Layer, wrapper: Callable, method: bo
 
         @functools.wraps(inner)
         def patched(*args, **kwargs):
-            if layer.active:
+            if _ACTIVE.get(key, False):
                 return wrapper(inner, None, args, kwargs)
             return inner(*args, **kwargs)
 

@@ -46,6 +46,44 @@ class Evidence:
         }
 
 
+# Tests of ftshims' own machinery (patching, kernels, the lint, the matrix tooling, process
+# start-up): they do not depend on the transformers/peft/trl versions, so the pinned-version
+# matrix leaves them to the default stack (nox -s tests) and spends its budget on the shims.
+DEFAULT_STACK_ONLY = (
+    "tests/kernels/",
+    "tests/test_canary.py",
+    "tests/test_distributed.py",
+    "tests/test_doctor_lint.py",
+    "tests/test_flash_attn_upstream_rotary.py",
+    "tests/test_lifecycle.py",
+    "tests/test_matrix.py",
+    "tests/test_compile.py::test_wrapper_effect_is_in_the_compiled_graph_and_gone_after_revert",
+    "tests/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[llama-sdpa]",
+    "tests/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[mistral-sdpa]",
+)
+
+
+def _on_a_matrix_stack() -> bool:
+    """Whether this run is one of the pinned-version matrix's non-default stacks."""
+    import tomllib
+
+    stack = os.environ.get("FTSHIMS_STACK")
+    stacks = tomllib.loads((Path(__file__).parents[1] / "ftshims" / "data" / "stacks.toml").read_text())["stacks"]
+    info = stacks.get(stack)
+    return info is not None and not info.get("default") and "session" not in info
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _on_a_matrix_stack():
+        return
+    keep, dropped = [], []
+    for item in items:
+        (dropped if item.nodeid.startswith(DEFAULT_STACK_ONLY) else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 @pytest.fixture
 def evidence():
     return Evidence()

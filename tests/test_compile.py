@@ -114,8 +114,6 @@ def test_rope_fix_survives_compile():
 def test_packing_block_mask_survives_compile():
     from ftshims.shims import _packing
 
-    if _packing.transformers_version().release[:2] < (4, 41):
-        pytest.skip("the 4.37-4.40 pass-through wrappers are left alone under compile")
     examples = _packing.example_pair()
     batch = _packing.packed_batch(examples, mask="ones")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -135,6 +133,11 @@ def test_packing_block_mask_survives_compile():
     torch._dynamo.reset()
     with ftshims.applied(only=["packing_block_mask"]):
         with_shim = compiled_gap()
+    if _packing.transformers_version().release[:2] < (4, 44):
+        # 4.37-4.43 mask code decides on a 4D mask's values in Python: the shim stays out of the
+        # trace, and the compiled model behaves exactly as it does without ftshims.
+        assert with_shim == without
+        return
     affected = _packing.transformers_version().release[:2] < (5, 0) or without > 1e-4
     if affected:
         assert without > 1e-4, f"negative control: compiled packed gap {without}"
@@ -160,7 +163,11 @@ def test_default_shims_keep_transformers_compile_paths_working(family, config_cl
     ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
-    if not _compiles_plain(build().forward, input_ids=ids, attention_mask=mask):
+    try:
+        plain_model = build()
+    except ValueError as exc:  # e.g. no sdpa for this family in this transformers
+        pytest.skip(str(exc))
+    if not _compiles_plain(plain_model.forward, input_ids=ids, attention_mask=mask):
         pytest.skip("this transformers cannot compile the forward with fullgraph=True by itself")
 
     def run():

@@ -28,6 +28,8 @@ import logging
 import sys
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
+from .._util import compiling
+
 log = logging.getLogger("ftshims")
 
 # model_type -> (modeling module, decoder base-model class). Decoder-only families whose
@@ -285,6 +287,10 @@ def needs_passthrough(model_class) -> bool:
 
 def passthrough(wrapped, instance, args, kwargs):
     """A mask builder that returns the additive 4D mask our forward wrapper handed down, unchanged."""
+    if compiling():
+        # Inside a trace the forward wrappers hand nothing down (and dynamo cannot read a
+        # context variable): the helper runs as upstream wrote it.
+        return wrapped(*args, **kwargs)
     mask = args[0] if args else kwargs.get("attention_mask")
     if mask is not None and mask is PASS_THROUGH.get():
         return mask
@@ -298,6 +304,7 @@ class Family(NamedTuple):
     extra_kwargs: bool  # forward(**kwargs) passes extra keyword arguments on (flash varlen kwargs, 4.47+)
     passthrough: bool  # its mask code needs the pass-through wrappers (see needs_passthrough)
     bool_misread: Dict[str, bool]  # attn implementation -> whether a bool 4D mask is mishandled
+    traces_4d: bool  # its mask code takes a 4D mask inside a torch.compile trace (see traces_4d_mask)
 
 
 def bool_misread(model_class) -> Dict[str, bool]:
@@ -307,6 +314,14 @@ def bool_misread(model_class) -> Dict[str, bool]:
     if needs_passthrough(model_class):
         return {"eager": True, "sdpa": True}
     return {"eager": True, "sdpa": transformers_version().release[:2] < (4, 44)}
+
+
+def traces_4d_mask(model_class) -> bool:
+    """Whether a 4D mask goes through this class's mask code inside a ``torch.compile`` trace
+    with ``fullgraph=True``: not with the pass-through wrappers (4.37-4.40, a context variable),
+    nor on 4.41-4.43, whose ``_update_causal_mask`` checks a 4D mask's values in Python
+    (``if attention_mask.max() != 0``, a data-dependent branch); from 4.44 it does."""
+    return not needs_passthrough(model_class) and transformers_version().release[:2] >= (4, 44)
 
 
 def install_family(patcher, model_type: str, forward_wrapper) -> None:
@@ -338,7 +353,7 @@ def install_family(patcher, model_type: str, forward_wrapper) -> None:
                 for name in found:
                     patcher.wrap(module, name, passthrough)
         bind = binder(cls.forward)
-        family = Family(takes_extra_kwargs(cls.forward), needs_passthrough(cls), bool_misread(cls))
+        family = Family(takes_extra_kwargs(cls.forward), needs_passthrough(cls), bool_misread(cls), traces_4d_mask(cls))
 
         def adapter(wrapped, instance, args, kwargs):
             call = bind(args, kwargs)

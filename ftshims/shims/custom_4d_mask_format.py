@@ -83,7 +83,7 @@ def _forward(wrapped, instance, call, family):
     if compiling():
         # Inside a trace only the dtype can decide (telling binary from additive floats reads
         # the values): bool masks are converted where misread; float masks pass as they are.
-        if family.passthrough or not family.bool_misread[attn] or mask.dtype != _torch().bool:
+        if not family.traces_4d or not family.bool_misread[attn] or mask.dtype != _torch().bool:
             return wrapped(**call)
         call["attention_mask"] = _packing.to_form(mask, _packing.ADDITIVE, _packing.embed_dtype(instance, call))
         return wrapped(**call)

@@ -79,9 +79,9 @@ def _forward(wrapped, instance, call, family):
         # No look at the values inside a trace: the block mask is built from position_ids
         # whatever they hold (one example per row gives the plain causal mask with padding),
         # as transformers' own packed-sequence detection does when tracing. Sliding windows
-        # (a length check) and the 4.37-4.41 pass-through wrappers (a context variable) need
+        # (a length check) and the mask code of 4.37-4.43 (see _packing.traces_4d_mask) need
         # Python-side decisions: those models are left as they are under compile.
-        if window is not None or family.passthrough:
+        if window is not None or not family.traces_4d:
             return wrapped(**call)
         segment_ids, real = _packing.segments(position_ids, mask, always=True)
         allowed = _packing.allowed_pairs(segment_ids, real)
