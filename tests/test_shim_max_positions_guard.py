@@ -11,7 +11,6 @@ from ftshims.versions import installed_version
 
 SHIM = "max_positions_guard"
 TRANSFORMERS = Version(installed_version("transformers"))
-BUFFER_BUG = Version("4.38.0") <= TRANSFORMERS < Version("4.39")
 
 
 def _shim():
@@ -30,8 +29,9 @@ def _apply(**options):
 @pytest.mark.parametrize("family", ["gpt2", "opt", "bart", "llama"])
 def test_long_input(evidence, family, mask):
     # learned positions: IndexError inside the forward without the shim, a clear ValueError before any kernel with it;
-    # RoPE (llama): silent extrapolation (4.38.x: IndexError / size mismatch) without, a warning (and a run) with it.
-    assert_bug_and_fix(SHIM, evidence, f"{family}/L40>16/{'mask' if mask else 'no_mask'}", family=family, mask=mask)
+    # RoPE (llama): silent extrapolation without, a warning (and a run) with it.
+    long = _shim().LONG
+    assert_bug_and_fix(SHIM, evidence, f"{family}/L{long}>16/{'mask' if mask else 'no_mask'}", family=family, mask=mask)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "bart", "llama"])
@@ -64,7 +64,7 @@ def test_error_message_names_model_length_limit_and_remedies(family):
     _, error, _, kernels = shim.run(model, shim.LONG)
     assert isinstance(error, ValueError), error
     text = str(error)
-    for part in (model.config.model_type, "40 positions", "16 learned position embeddings", "IndexError",
+    for part in (model.config.model_type, f"{shim.LONG} positions", "16 learned position embeddings", "IndexError",
                  "truncation=True", "'truncate'", shim.ENV_POLICY):
         assert part in text, (part, text)
     assert kernels == 0
@@ -84,7 +84,7 @@ def test_rope_warns_once_per_model_and_never_errors():
 
 
 def test_long_rope_input_stays_causal():
-    """The long input really works (4.38.x: regrown causal_mask buffer): its prefix equals the short input's output."""
+    """The long input really runs under the warning: its prefix equals the short input's output."""
     import torch
 
     shim = _shim()
@@ -94,8 +94,6 @@ def test_long_rope_input_stays_causal():
     assert error is None, error
     short_out, _, _, _ = shim.run(model, shim.MAX_POSITIONS, mask=True)
     torch.testing.assert_close(long_out.logits[:, : shim.MAX_POSITIONS], short_out.logits, atol=1e-5, rtol=1e-5)
-    if BUFFER_BUG:
-        assert model.model.causal_mask.shape[-1] >= shim.LONG
 
 
 def test_warn_policy_on_learned_positions_warns_then_fails_as_upstream():
@@ -237,3 +235,130 @@ def test_revert_restores_pretrainedmodel_call():
         warnings.simplefilter("error")  # no guard left: the long GPT-2 input fails as upstream
         _, error, _, _ = _shim().run(_shim().build("gpt2"), _shim().LONG)
     assert isinstance(error, IndexError)
+
+
+# ---------------------------------------------------------------------------
+# the bound comes from the tower input_ids pass through (multi-tower and encoder-decoder models)
+
+
+def _same_with_and_without(build, call):
+    """The call gives the same result (or the same exception type) with and without the default shims."""
+    import torch
+
+    def run():
+        torch.manual_seed(0)
+        model = build().eval()
+        try:
+            with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                return call(model), None, [str(w.message) for w in caught if "max_position" in str(w.message)]
+        except Exception as exc:  # compared below
+            return None, type(exc).__name__, []
+
+    plain = run()
+    ftshims.apply()
+    try:
+        shimmed = run()
+    finally:
+        ftshims.revert()
+    assert plain[1] == shimmed[1] is None, (plain[1], shimmed[1])
+    assert not shimmed[2], shimmed[2]
+    assert torch.equal(plain[0], shimmed[0])
+
+
+def _clip_configs():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "CLIPConfig"):
+        pytest.skip("no CLIP in this transformers")
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=77, projection_dim=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32,
+                  patch_size=8, projection_dim=16)  # 16 patches + CLS = 17 learned positions
+    return transformers, text, vision
+
+
+def test_clip_text_longer_than_the_vision_table_is_not_rejected():
+    import torch
+
+    transformers, text, vision = _clip_configs()
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    ids = torch.randint(3, 100, (1, 70))
+    pixels = torch.randn(1, 3, 32, 32)
+    _same_with_and_without(lambda: transformers.CLIPModel(config),
+                           lambda m: m(input_ids=ids, pixel_values=pixels).logits_per_text)
+    _same_with_and_without(lambda: transformers.CLIPTextModel(transformers.CLIPTextConfig(**text)),
+                           lambda m: m(input_ids=ids).last_hidden_state)
+
+
+def test_clip_text_model_still_guarded_at_its_own_limit():
+    import torch
+
+    transformers, text, _ = _clip_configs()
+    model = transformers.CLIPTextModel(transformers.CLIPTextConfig(**text)).eval()
+    _apply()
+    with torch.no_grad(), pytest.raises(ValueError, match="77 learned position embeddings"):
+        model(input_ids=torch.randint(3, 100, (1, 80)))
+
+
+def test_models_whose_input_embedding_is_unknown_are_left_alone_with_a_note():
+    import torch
+
+    transformers, text, vision = _clip_configs()
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    model = transformers.CLIPModel(config).eval()
+    try:
+        model.get_input_embeddings()
+        pytest.skip("this transformers knows CLIPModel's input embedding")
+    except NotImplementedError:
+        pass
+    _apply()
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 100, (1, 10)), pixel_values=torch.randn(1, 3, 32, 32))
+    from ftshims import _manager
+
+    assert any(note.startswith("CLIPModel left alone: get_input_embeddings()") for note in _manager.notes(SHIM))
+
+
+def test_llava_prompt_longer_than_the_vision_table_is_not_rejected():
+    import torch
+
+    transformers, text, vision = _clip_configs()
+    if not hasattr(transformers, "LlavaForConditionalGeneration"):
+        pytest.skip("no LLaVA in this transformers")
+    llama = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=128, model_type="llama")
+    vision_config = dict(vision, model_type="clip_vision_model")
+    config = transformers.LlavaConfig(text_config=llama, vision_config=vision_config, image_token_index=150,
+                                      projector_hidden_act="gelu")
+    ids = torch.randint(3, 100, (1, 60))
+    _same_with_and_without(lambda: transformers.LlavaForConditionalGeneration(config), lambda m: m(input_ids=ids).logits)
+
+
+def test_whisper_decoder_is_bounded_by_its_own_table_not_the_audio_encoder():
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.WhisperConfig(
+        vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=8,
+        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )
+    features = torch.randn(1, 8, 16)  # 16 frames -> 8 encoder positions after the stride-2 conv
+    decoder_ids = torch.randint(3, 100, (1, 20))  # longer than the 8 audio positions, within the 32 text ones
+    _same_with_and_without(lambda: transformers.WhisperForConditionalGeneration(config),
+                           lambda m: m(input_features=features, decoder_input_ids=decoder_ids).logits)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    _apply()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"\(decoder side\)"):
+        model(input_features=features, decoder_input_ids=torch.randint(3, 100, (1, 40)))
+
+
+def test_t5_relative_positions_are_left_alone():
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                   decoder_start_token_id=0)
+    ids = torch.randint(3, 100, (1, 600))  # far beyond any table: T5 has none
+    _same_with_and_without(lambda: transformers.T5ForConditionalGeneration(config),
+                           lambda m: m(input_ids=ids, decoder_input_ids=ids[:, :8]).logits)

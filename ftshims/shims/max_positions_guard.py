@@ -11,30 +11,38 @@ tokens):
   which poisons the CUDA context of the whole process (transformers#1749,
   LlamaFactory#5351);
 * rotary models (Llama, Mistral, Qwen2, ...) extrapolate silently: no error,
-  no warning, and quality degrades past the trained length;
-* transformers 4.38.0 - 4.38.2 keeps a ``max_position_embeddings``-square
-  ``causal_mask`` buffer on Llama and Gemma that grows only once (to twice
-  its size): a fresh model given more than twice ``max_position_embeddings``
-  tokens fails with an ``IndexError`` (no attention mask) or a size-mismatch
-  ``RuntimeError`` (with one) (transformers#29252, #29263; gone in 4.39).
+  no warning, and quality degrades past the trained length.
 
-The fix: a guard at model entry. ``PreTrainedModel.__call__`` is wrapped; the
+(The 4.38.0 - 4.38.2 ``causal_mask`` buffer that grows only once is a bug of
+its own with a real fix: see ``causal_mask_buffer_regrow``.)
+
+The guard, at model entry: ``PreTrainedModel.__call__`` is wrapped; the
 outermost model call (nested PreTrainedModels such as ``LlamaModel`` inside
 ``LlamaForCausalLM`` pass straight through) compares the positions the input
-needs with what the model has, *before* any kernel runs. The model's kind is
-found once per model from its modules: an ``nn.Embedding`` named ``wpe``,
-``embed_positions``, ``position_embeddings`` or ``position_embedding`` means
-learned positions (usable size = table rows minus the OPT/BART ``offset`` or
-the RoBERTa padding offset); a ``*RotaryEmbedding`` module means RoPE (limit =
-``config.max_position_embeddings``). Models with neither (ALiBi, relative
-positions, ...) are never touched. Needed positions = cached tokens + new
-tokens; only when that exceeds the limit is the exact need computed (the
-largest ``position_ids`` + 1 when they are given, or the longest unpadded
-length for OPT, whose positions follow the attention mask), so left-padded or
-packed batches that really fit are not rejected, unless the model also keeps
-a square boolean causal buffer (GPT-2's ``attn.bias`` up to 4.57), which caps
-the token count itself. Encoder-decoder models are
-checked on both sides.
+needs with what the model has, *before* any kernel runs.
+
+Which limit, found once per model: the bound comes from the tower that
+``input_ids`` actually pass through. Starting at the module
+``get_input_embeddings()`` returns (every path to it, so shared encoder /
+decoder embeddings count on both sides), the guard walks up to the smallest
+module that holds a position source: a ``*RotaryEmbedding`` module means RoPE
+(limit = that tower's ``config.max_position_embeddings``; a RoPE tower is never
+treated as learned), else an ``nn.Embedding`` named ``wpe``, ``embed_positions``,
+``position_embeddings`` or ``position_embedding`` means learned positions
+(usable size = table rows minus the OPT/BART ``offset`` or the RoBERTa padding
+offset). So the vision tower of a CLIP or a LLaVA, or Whisper's audio
+encoder, never bounds a text input. A model whose input embedding is unknown
+(``get_input_embeddings()`` not implemented, e.g. ``CLIPModel``) or whose tower
+has no position source (ALiBi, relative positions, T5, ...) is left alone,
+and the reason is in the shim's notes (``ftshims.status()``), once per class.
+
+Needed positions = cached tokens + new tokens; only when that exceeds the limit
+is the exact need computed (the largest ``position_ids`` + 1 when they are
+given, or the longest unpadded length for OPT, whose positions follow the
+attention mask), so left-padded or packed batches that really fit are not
+rejected, unless the tower also keeps a square boolean causal buffer (GPT-2's
+``attn.bias`` up to 4.57), which caps the token count itself. Encoder-decoder
+models are checked on both sides.
 
 Policy (option ``policy`` of ``apply(options={"max_positions_guard": {...}})``,
 else the environment variable ``FTSHIMS_MAX_POSITIONS_POLICY``, else ``auto``;
@@ -50,10 +58,6 @@ read when the shim is applied):
   ids, cache positions), with one warning per model. Impossible when the cache
   alone fills the limit: then ``ValueError``.
 
-On 4.38.0 - 4.38.2, before a call proceeds, the ``causal_mask`` buffer of the
-model's submodules is regrown (doubling, like upstream, until it covers the
-cached plus new tokens), so long inputs work as they do from 4.39 on.
-
 Applies to transformers >= 4.30 (no release checks the length; unfixed in
 5.24.0). Skipped while ``torch.compile`` traces (the check is Python-side).
 """
@@ -68,6 +72,7 @@ import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
+from .._util import compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 ENV_POLICY = "FTSHIMS_MAX_POSITIONS_POLICY"
@@ -77,27 +82,20 @@ SPEC = ShimSpec(
     id="max_positions_guard",
     title="Inputs longer than max_position_embeddings: clear error / warning / truncation instead of a crash",
     symptom="`IndexError: index out of range in self` (CUDA: device-side assert) for GPT-2/OPT/BART..., silent RoPE "
-    "extrapolation, and on 4.38.0-4.38.2 IndexError/size mismatch past 2x max_position_embeddings",
+    "extrapolation",
     requires={"transformers": ">=4.30"},
     fixed_in={},
     refs=(
         "https://github.com/huggingface/transformers/issues/1749",
         "https://github.com/hiyouga/LlamaFactory/issues/5351",
-        "https://github.com/huggingface/transformers/issues/29252",
-        "https://github.com/huggingface/transformers/pull/29263",
-        "https://github.com/huggingface/transformers/pull/29753",
     ),
     targets=(
         # PreTrainedModel.__call__ (inherited from torch.nn.Module) is what gets wrapped.
         Target("transformers.modeling_utils", "PreTrainedModel"),
-        Target("transformers.models.llama.modeling_llama", "LlamaModel._update_causal_mask", when=">=4.38,<4.39"),
     ),
     modules=("transformers.modeling_utils",),
     options={"policy": None},
 )
-
-# The 4.38.0-4.38.2 causal_mask buffer that grows only once.
-BUFFER_BUG = ">=4.38.0,<4.39"
 
 _LEARNED_NAMES = ("wpe", "embed_positions", "position_embeddings", "position_embedding")
 
@@ -122,19 +120,19 @@ class _Side:
 
 
 class _Profile:
-    __slots__ = ("kind", "model_type", "config_limit", "sides", "seq2seq", "buffers", "bounded", "params", "__weakref__")
+    __slots__ = ("kind", "model_type", "config_limit", "sides", "seq2seq", "bounded", "params", "reason", "__weakref__")
 
     def __init__(self):
-        self.kind: Optional[str] = None  # "learned" | "rope" | None
+        self.kind: Optional[str] = None  # "learned" | "rope" | None (left alone; ``reason`` says why)
         self.model_type = "model"
         self.config_limit: Optional[int] = None
         self.sides: Dict[str, _Side] = {}
         self.seq2seq = False
-        self.buffers: List[Any] = []  # modules holding a 4.38 causal_mask buffer
         # a square boolean causal buffer (GPT-2's ``attn.bias`` up to 4.57) caps the number of tokens, whatever
         # the position ids say: then only cached + new tokens count
         self.bounded = False
         self.params: Tuple[str, ...] = ()
+        self.reason = ""
 
 
 def _config_limit(config) -> Optional[int]:
@@ -152,7 +150,50 @@ def _usable(embedding) -> int:
     return embedding.num_embeddings - offset
 
 
-def _build_profile(model, buffer_bug: bool) -> _Profile:
+def _input_embedding_paths(model) -> Tuple[List[str], str]:
+    """Every module path of the embedding ``input_ids`` go through, or ``([], why not)``."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError, TypeError) as exc:
+        return [], f"get_input_embeddings() is not available ({type(exc).__name__})"
+    if embedding is None:
+        return [], "get_input_embeddings() returned None"
+    paths = [name for name, module in model.named_modules(remove_duplicate=False) if module is embedding]
+    if not paths:
+        return [], "its input embedding is not one of its submodules"
+    return paths, ""
+
+
+def _position_sources(modules) -> Tuple[List[Tuple[str, Any]], bool]:
+    """Learned position tables ``(path, embedding)`` and whether a rotary module is among ``modules``."""
+    import torch
+
+    learned, rope = [], False
+    for name, module in modules:
+        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _LEARNED_NAMES:
+            learned.append((name, module))
+        elif "RotaryEmbedding" in type(module).__name__:
+            rope = True
+    return learned, rope
+
+
+def _tower(model, path: str, all_modules):
+    """The smallest module above the input embedding at ``path`` that holds a position source: the
+    tower ``input_ids`` run through (the language model of a LLaVA, the text model of a CLIP text
+    encoder, the decoder of OPT). Returns ``(prefix, learned tables, rope, config)``."""
+    parts = path.split(".")[:-1]
+    while True:
+        prefix = ".".join(parts)
+        inside = [(n, m) for n, m in all_modules if not prefix or n == prefix or n.startswith(prefix + ".")]
+        learned, rope = _position_sources(inside)
+        if learned or rope or not parts:
+            owner = dict(all_modules).get(prefix, model) if prefix else model
+            config = getattr(owner, "config", None)
+            return prefix, learned, rope, config
+        parts.pop()
+
+
+def _build_profile(model) -> _Profile:
     import torch
 
     profile = _Profile()
@@ -164,10 +205,26 @@ def _build_profile(model, buffer_bug: bool) -> _Profile:
     except (TypeError, ValueError):
         profile.params = ()
     profile.seq2seq = "decoder_input_ids" in profile.params
+    if "input_ids" not in profile.params and "decoder_input_ids" not in profile.params:
+        profile.reason = "its forward takes no input_ids"
+        return profile
+    paths, why = _input_embedding_paths(model)
+    if not paths:
+        profile.reason = why
+        return profile
+    all_modules = list(model.named_modules(remove_duplicate=False))
     rope = False
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Embedding) and leaf in _LEARNED_NAMES:
+    rope_limit = None
+    towers = []
+    for path in paths:
+        prefix, learned, tower_rope, tower_config = _tower(model, path, all_modules)
+        towers.append(prefix)
+        if tower_rope:
+            rope = True
+            limit = _config_limit(tower_config) if tower_config is not None else None
+            rope_limit = limit if limit is not None else profile.config_limit
+            continue
+        for name, module in learned:
             side = "main"
             if profile.seq2seq:
                 side = "decoder" if "decoder" in name else "encoder"
@@ -180,21 +237,32 @@ def _build_profile(model, buffer_bug: bool) -> _Profile:
             known = profile.sides.get(side)
             if known is None or limit < known.limit:
                 profile.sides[side] = _Side(side, limit, from_mask)
-        elif "RotaryEmbedding" in type(module).__name__:
-            rope = True
-        for buffer_name, buffer in getattr(module, "_buffers", {}).items():
-            if not isinstance(buffer, torch.Tensor):
-                continue
-            if buffer_name == "causal_mask" and buffer_bug:
-                profile.buffers.append(module)
-            elif buffer.dim() >= 2 and buffer.dtype in (torch.bool, torch.uint8) and buffer.shape[-1] == buffer.shape[-2] > 1:
-                profile.bounded = True
-    if profile.sides:
-        profile.kind = "learned"
-    elif rope and profile.config_limit:
+    if rope:
+        # A RoPE tower is never treated as learned, whatever tables sit beside it.
+        profile.sides = {}
+        if not rope_limit:
+            profile.reason = "a rotary model whose max_position_embeddings is unknown"
+            return profile
         profile.kind = "rope"
         side = "decoder" if profile.seq2seq else "main"
-        profile.sides[side] = _Side(side, profile.config_limit, False)
+        profile.sides[side] = _Side(side, rope_limit, False)
+        profile.config_limit = rope_limit
+    elif profile.sides:
+        profile.kind = "learned"
+    else:
+        profile.reason = "no learned position table or rotary embedding in the tower input_ids go through"
+        return profile
+    for name, module in all_modules:
+        if towers and not any(not t or name == t or name.startswith(t + ".") for t in towers):
+            continue
+        for buffer in getattr(module, "_buffers", {}).values():
+            if (
+                isinstance(buffer, torch.Tensor)
+                and buffer.dim() >= 2
+                and buffer.dtype in (torch.bool, torch.uint8)
+                and buffer.shape[-1] == buffer.shape[-2] > 1
+            ):
+                profile.bounded = True
     return profile
 
 
@@ -350,47 +418,26 @@ def _truncate(call: _Call, profile: _Profile, side: _Side, names, new: int, past
     call.args, call.kwargs = (), kwargs
 
 
-def _grow_causal_mask_buffers(profile: _Profile, total: int) -> None:
-    """4.38.0-4.38.2: make the square causal_mask buffer cover ``total`` positions (doubling, as upstream does)."""
-    import torch
-
-    for module in profile.buffers:
-        buffer = module._buffers.get("causal_mask")
-        if not isinstance(buffer, torch.Tensor) or buffer.dim() != 2 or buffer.shape[-1] >= total:
-            continue
-        size = buffer.shape[-1]
-        while size < total:
-            size *= 2
-        grown = torch.triu(torch.ones((size, size), dtype=buffer.dtype, device=buffer.device), diagonal=1)
-        module.register_buffer("causal_mask", grown, persistent=False)
-
-
-def _compiling() -> bool:
-    import torch
-
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling"):
-        return compiler.is_compiling()
-    dynamo = getattr(torch, "_dynamo", None)
-    return bool(dynamo is not None and dynamo.is_compiling())
-
-
 class _Guard:
-    def __init__(self, policy: str, buffer_bug: bool):
+    def __init__(self, policy: str, notes: List[str]):
         self.policy = policy
-        self.buffer_bug = buffer_bug
+        self.notes = notes  # the shim's notes in status(): models left alone, and why (once per class)
         self.local = threading.local()
 
     def profile(self, model) -> _Profile:
         profile = _PROFILES.get(model)
         if profile is None:
-            profile = _build_profile(model, self.buffer_bug)
+            profile = _build_profile(model)
             _PROFILES[model] = profile
+            if profile.kind is None:
+                note = f"{type(model).__name__} left alone: {profile.reason}"
+                if note not in self.notes:
+                    self.notes.append(note)
         return profile
 
     def __call__(self, wrapped, instance, args, kwargs):
         depth = getattr(self.local, "depth", 0)
-        if depth or instance is None or _compiling():
+        if depth or instance is None:
             return wrapped(*args, **kwargs)
         profile = self.profile(instance)
         if profile.kind is not None:
@@ -406,7 +453,6 @@ class _Guard:
         policy = self.policy
         if policy == "auto":
             policy = "error" if profile.kind == "learned" else "warn"
-        grow_to = 0
         for side in list(profile.sides.values()):
             if side.name == "encoder" and call.get("encoder_outputs") is not None:
                 continue
@@ -438,9 +484,6 @@ class _Guard:
                         new = keep
                     else:
                         _warn_once(model, f"warn:{side.name}", _message(profile, side, need, new, past, self.policy))
-            grow_to = max(grow_to, past + new)
-        if profile.buffers:
-            _grow_causal_mask_buffers(profile, grow_to)
         return call.args, call.kwargs
 
 
@@ -455,20 +498,23 @@ def resolve_policy(option: Optional[str]) -> str:
 
 
 def install(patcher, options) -> None:
-    from ..versions import in_range, installed_version
-
     policy = resolve_policy(options.get("policy"))
-    buffer_bug = in_range(installed_version("transformers"), BUFFER_BUG)
     modeling_utils = sys.modules["transformers.modeling_utils"]
-    # The profile cache may hold profiles computed under another apply(); the buffer flag is version-wide, so keep it.
-    patcher.wrap(modeling_utils.PreTrainedModel, "__call__", _Guard(policy, buffer_bug))
+    guard = _Guard(policy, patcher.notes)
+
+    def call(wrapped, instance, args, kwargs):
+        if compiling():
+            return wrapped(*args, **kwargs)  # a Python-side check: not inside a torch.compile trace
+        return guard(wrapped, instance, args, kwargs)
+
+    patcher.wrap(modeling_utils.PreTrainedModel, "__call__", call)
 
 
 # ---------------------------------------------------------------------------
 # Probe
 
 MAX_POSITIONS = 16
-LONG = 40  # > 2 x MAX_POSITIONS: also the 4.38.0-4.38.2 buffer bug
+LONG = 24  # > MAX_POSITIONS and < 2 x MAX_POSITIONS: 4.38.0-4.38.2 regrow their causal_mask buffer once that far
 
 FAMILIES = {
     "llama": ("LlamaConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -480,7 +526,6 @@ FAMILIES = {
                                 encoder_layers=1, decoder_attention_heads=4, encoder_attention_heads=4,
                                 max_position_embeddings=MAX_POSITIONS)),
 }
-KIND = {"llama": "rope", "gpt2": "learned", "opt": "learned", "bart": "learned"}
 
 
 def build(family: str = "gpt2", seed: int = 0):
