@@ -275,6 +275,7 @@ def status() -> Report:
                     versions=installed_versions(shim.spec.requires),
                     patched=list(record.patcher.patched) if record.patcher else [],
                     waiting=list(record.patcher.waiting) if record.patcher else [],
+                    notes=list(record.patcher.notes) if record.patcher else [],
                 )
             )
         for shim_id, reason in registry.load_errors().items():

@@ -26,6 +26,7 @@ class ShimStatus:
     versions: Dict[str, Optional[str]] = field(default_factory=dict)
     patched: List[str] = field(default_factory=list)
     waiting: List[str] = field(default_factory=list)  # modules whose parts are installed on import
+    notes: List[str] = field(default_factory=list)  # what an active shim left alone, and why
 
     @property
     def active(self) -> bool:
