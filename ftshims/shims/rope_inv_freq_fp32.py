@@ -149,7 +149,7 @@ def _candidates(module, name: str, device):
         try:
             inv = _call_init_fn(fn, config, device, layer_type, extra)
         except Exception as exc:  # a rope-init function that does not take this config: try the next source
-            log.debug("ftshims: rope_inv_freq_fp32: %s(...) failed: %s", getattr(fn, "__name__", fn), exc)
+            log.debug("rope_inv_freq_fp32: %s(...) failed: %s", getattr(fn, "__name__", fn), exc)
             continue
         if inv is not None:
             yield inv
@@ -203,7 +203,9 @@ def install(patcher, options) -> None:
             if problem not in seen_problems:
                 seen_problems.add(problem)
                 patcher.notes.append(problem)
-                log.warning("ftshims: rope_inv_freq_fp32: %s; left as is", problem)
+                # not a warning: a RoPE this shim cannot recompute (2D, per-modality) is left exactly as
+                # upstream made it, and status() notes say so
+                log.info("rope_inv_freq_fp32: %s; left as is", problem)
 
     def apply_wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
