@@ -30,10 +30,16 @@ def apply(only=None, exclude=None, strict=False, include=None, options=None, pro
              processes (torchrun ranks, spawned DataLoader workers) apply the
              same shims at start-up, through the ``ftshims-auto.pth`` hook.
 
+    Shim ids are case-insensitive and ``-`` stands for ``_``. Every setting
+    (ids, option names and values, and the ``FTSHIMS_*`` variables the
+    selected shims read) is checked before anything is installed: a bad one
+    is a ``ValueError`` naming it, and nothing changes (see
+    :mod:`ftshims.settings`).
+
     Idempotent and thread-safe: shims already applied are left as they are.
     Shims on modules that are not imported yet are installed by a post-import
-    hook when they are. Apart from ``strict=True`` and unknown shim ids or
-    option names (``ValueError``), no exception escapes.
+    hook when they are. Apart from ``strict=True`` and those ``ValueError``\ s,
+    no exception escapes.
     """
     from . import _manager
 

@@ -1,6 +1,9 @@
 """apply / revert / status: the lifecycle, modelled on OpenTelemetry's BaseInstrumentor.
 
-For each registered shim, ``apply()`` decides, in this order:
+Every setting (shim ids, option names and values, the ``FTSHIMS_*``
+variables that feed them) is checked by :mod:`ftshims.settings` before
+anything is installed: a bad one is a ``ValueError`` and nothing changes.
+Then, for each registered shim, ``apply()`` decides, in this order:
 
 1. *disabled* — named in ``FTSHIMS_DISABLE`` (or it is ``*``), excluded, not in
    ``only``, or a ``speed`` shim nobody asked for;
@@ -22,9 +25,9 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
-from . import registry
+from . import registry, settings
 from .patching import LOCK, Patcher, is_loaded, on_import, require_params, resolve, settle, wait_for_inflight_imports
 from .report import (
     APPLIED,
@@ -42,7 +45,7 @@ from .versions import cached, explain_mismatch, in_range, installed_versions
 
 log = logging.getLogger("ftshims")
 
-DISABLE_ENV = "FTSHIMS_DISABLE"
+DISABLE_ENV = settings.DISABLE_ENV
 
 
 class ShimError(RuntimeError):
@@ -72,42 +75,21 @@ def is_rank_zero() -> bool:
 
 def _info(shim_id: str, status: str, reason: str) -> None:
     if is_rank_zero():
-        log.info("ftshims: %s %s (%s)", shim_id, status, reason)
+        log.info("%s %s (%s)", shim_id, status, reason)  # the logger's name already says "ftshims"
 
 
 def disabled_by_env() -> Set[str]:
-    raw = os.environ.get(DISABLE_ENV, "")
-    return {part.strip() for part in raw.split(",") if part.strip()}
+    """The shim ids ``FTSHIMS_DISABLE`` names (every id for ``*``); ValueError for an unknown one."""
+    return settings.parse_disable()
 
 
-def _check_ids(names: Optional[Iterable[str]], argument: str) -> Optional[Set[str]]:
-    if names is None:
-        return None
-    if isinstance(names, str):
-        names = [names]
-    chosen = set(names)
-    unknown = chosen - set(registry.ids())
-    if unknown:
-        raise ValueError(
-            f"{argument}: unknown shim id(s) {', '.join(sorted(unknown))}; known: {', '.join(registry.ids())}"
-        )
-    return chosen
+def selection(shim, only=None, exclude=None, include=None, versions=None, disabled=None):
+    """``(status, reason)`` for a shim that is not active yet: DISABLED, NOT_NEEDED or None (selected).
 
-
-def _options_for(shim, overrides: Mapping[str, Any]) -> Dict[str, Any]:
-    merged = dict(shim.spec.options)
-    unknown = set(overrides) - set(merged)
-    if unknown:
-        raise ValueError(f"options for {shim.id}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(merged) or 'none'}")
-    merged.update(overrides)
-    return merged
-
-
-def selection(shim, only=None, exclude=None, include=None, versions=None):
-    """``(status, reason)`` for a shim that is not active yet: DISABLED, NOT_NEEDED or None (selected)."""
+    ``disabled``: the ids ``FTSHIMS_DISABLE`` names, when the caller has parsed it already.
+    """
     spec = shim.spec
-    env = disabled_by_env()
-    if "*" in env or spec.id in env:
+    if spec.id in (disabled_by_env() if disabled is None else disabled):
         return DISABLED, f"disabled by {DISABLE_ENV}"
     if exclude and spec.id in exclude:
         return DISABLED, "excluded by exclude="
@@ -153,13 +135,13 @@ def _install(shim, record: _Record) -> None:
         patcher.undo()
         record.patcher = None
         record.status, record.reason = TARGET_MISSING, str(exc)
-        log.warning("ftshims: %s skipped, target missing: %s", shim.id, exc)
+        log.warning("%s skipped, target missing: %s", shim.id, exc)
         return
     except Exception as exc:
         patcher.undo()
         record.patcher = None
         record.status, record.reason = FAILED, f"{type(exc).__name__}: {exc}"
-        log.warning("ftshims: %s failed and was rolled back: %s", shim.id, record.reason, exc_info=True)
+        log.warning("%s failed and was rolled back: %s", shim.id, record.reason, exc_info=True)
         if record.strict:
             raise ShimError(f"{shim.id}: {record.reason}") from exc
         return
@@ -178,7 +160,7 @@ def _part_failed(shim_id: str, exc: BaseException) -> None:
             record.patcher.undo()
             record.patcher = None
         record.status, record.reason = FAILED, f"{type(exc).__name__}: {exc}"
-        log.warning("ftshims: %s failed and was rolled back: %s", shim_id, record.reason, exc_info=exc)
+        log.warning("%s failed and was rolled back: %s", shim_id, record.reason, exc_info=exc)
         if record.strict:
             raise ShimError(f"{shim_id}: {record.reason}") from exc
 
@@ -207,27 +189,30 @@ def _activate(shim, record: _Record) -> None:
 
 def apply(only=None, exclude=None, strict: bool = False, include=None, options=None) -> Report:
     """Apply every fix shim whose target versions are installed. See ``ftshims.apply``."""
-    only_set = _check_ids(only, "only")
-    exclude_set = _check_ids(exclude, "exclude")
-    include_set = _check_ids(include, "include")
-    options = dict(options or {})
-    _check_ids(options, "options")
+    only_set, exclude_set, include_set, options = settings.check_arguments(only, exclude, include, options)
+    disabled = settings.parse_disable()
     waited = set()
     with LOCK, cached():
         settle()  # deferred installs whose module finished importing without telling us (a race)
+        # First decide every shim and check the settings of the selected ones (their FTSHIMS_* variables
+        # included): a bad setting raises here, before anything is installed.
+        plan = []
         for shim in registry.shims().values():
             record = _RECORDS.setdefault(shim.id, _Record())
             if record.status in (APPLIED, DEFERRED):
                 continue  # idempotent: an active shim is left exactly as it is
             if only_set is not None and shim.id not in only_set and record.reason != _Record.reason:
                 continue  # a narrowed call leaves the other shims' last decision alone
-            skip, reason = selection(shim, only_set, exclude_set, include_set)
+            skip, reason = selection(shim, only_set, exclude_set, include_set, disabled=disabled)
+            chosen = None if skip else settings.shim_options(shim.spec, options.get(shim.id, {}), os.environ)
+            plan.append((shim, record, skip, reason, chosen))
+        for shim, record, skip, reason, chosen in plan:
             if skip is not None:
                 if (record.status, record.reason) != (skip, reason):
                     _info(shim.id, skip, reason)
                 record.status, record.reason = skip, reason
                 continue
-            record.options = _options_for(shim, options.get(shim.id, {}))
+            record.options = chosen
             record.strict = strict
             _activate(shim, record)
             if record.status == DEFERRED:
@@ -239,7 +224,7 @@ def apply(only=None, exclude=None, strict: bool = False, include=None, options=N
 
 def revert(only=None) -> Report:
     """Undo every active shim (or those in ``only``), restoring the original objects."""
-    only_set = _check_ids(only, "only")
+    only_set = settings.check_ids(only, "only")
     with LOCK:
         for shim_id in reversed(list(registry.ids())):
             if only_set is not None and shim_id not in only_set:
@@ -295,4 +280,4 @@ def export_to_children(**arguments) -> None:
     import json
 
     clean = {k: (sorted(v) if isinstance(v, (set, frozenset, tuple)) else v) for k, v in arguments.items() if v}
-    os.environ["FTSHIMS_AUTO"] = json.dumps(clean) if clean else "1"
+    os.environ[settings.AUTO_ENV] = json.dumps(clean) if clean else "1"

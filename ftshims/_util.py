@@ -32,3 +32,22 @@ def warn_once(seen: set, key: Any, emit: Callable[[], None]) -> bool:
     seen.add(key)
     emit()
     return True
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` that points at the first frame outside ftshims.
+
+    Shims warn from deep inside wrappers (patching.py, the shim, its helpers),
+    and the depth varies with the call path; counting the frames of ftshims
+    (and of wrapt, when its pure-Python wrappers run) up to the first other
+    one points the warning at the user's code, or at the library that called
+    the patched function. Call it as the argument of ``warnings.warn``.
+    """
+    import sys
+
+    frame = sys._getframe(1)  # the frame calling warnings.warn: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("ftshims", "wrapt"):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -3,45 +3,38 @@
 Importing this module *does* patch (that is its only purpose); ``import ftshims``
 alone never does.
 
-The selection comes from ``FTSHIMS_AUTO`` when it holds a JSON object of
-``apply()`` arguments, e.g. ``{"include": ["rope_fused_kernel"], "options":
-{"max_positions_guard": {"policy": "warn"}}}``; any other value applies the
-defaults. The ``ftshims-auto.pth`` hook imports this module at interpreter
-start-up when ``FTSHIMS_AUTO`` is set, which is how torchrun ranks, accelerate
-workers and spawned DataLoader workers get the same shims as the launcher.
+``FTSHIMS_AUTO`` says what to apply (grammar in :mod:`ftshims.settings`):
+unset, ``1``/``true``/``yes``/``on``: the defaults; ``0``/``false``/``no``/``off``
+or empty: nothing; a JSON object of ``apply()`` arguments, e.g. ``{"include":
+["rope_fused_kernel"], "options": {"max_positions_guard": {"policy": "warn"}}}``:
+those. The ``ftshims-auto.pth`` hook imports this module at interpreter
+start-up whenever ``FTSHIMS_AUTO`` is set, which is how torchrun ranks,
+accelerate workers and spawned DataLoader workers get the same shims as the
+launcher.
+
+``report`` is the resulting ``ftshims.status()``, or None when ``FTSHIMS_AUTO``
+is off. A bad ``FTSHIMS_*`` value applies nothing and prints one line on stderr: this
+runs at start-up of every process, where a traceback or an exit would break
+programs that never asked for ftshims.
 """
 
-import json
 import os
 import sys
 
 import ftshims
+from ftshims import settings
 
-AUTO_ENV = "FTSHIMS_AUTO"
-
-
-def _arguments() -> dict:
-    raw = os.environ.get(AUTO_ENV, "").strip()
-    if not raw.startswith("{"):
-        return {}
-    try:
-        arguments = json.loads(raw)
-    except ValueError as exc:
-        print(f"ftshims: ignoring {AUTO_ENV}, not valid JSON ({exc}); applying the defaults", file=sys.stderr)
-        return {}
-    allowed = {"only", "exclude", "include", "options", "strict"}
-    unknown = set(arguments) - allowed
-    if unknown:
-        print(f"ftshims: ignoring unknown {AUTO_ENV} key(s) {sorted(unknown)}", file=sys.stderr)
-    return {k: v for k, v in arguments.items() if k in allowed}
+AUTO_ENV = settings.AUTO_ENV
 
 
 def _apply():
-    arguments = _arguments()
     try:
+        arguments = settings.parse_auto(os.environ.get(AUTO_ENV))
+        if arguments is None:
+            return None  # FTSHIMS_AUTO is off: not even the machinery is imported (this runs in every process)
         return ftshims.apply(**arguments)
-    except ValueError as exc:  # an unknown shim id or option in FTSHIMS_AUTO must not kill the process
-        print(f"ftshims: {AUTO_ENV} rejected ({exc}); no shims applied", file=sys.stderr)
+    except ValueError as exc:  # settings are checked before anything is installed: nothing was applied
+        print(f"ftshims: {' '.join(str(exc).split())}; no shims applied", file=sys.stderr)
         return ftshims.status()
 
 

@@ -6,8 +6,9 @@
 
 The hook is one line in site-packages that Python runs at start-up. It costs a
 dictionary lookup unless ``FTSHIMS_AUTO`` is set; then it imports
-``ftshims.auto``, which applies the shims (``FTSHIMS_AUTO`` may hold a JSON
-object of ``apply()`` arguments). That is how torchrun ranks, accelerate
+``ftshims.auto``, which reads the value (``1``, ``0``/``false``/..., or a JSON
+object of ``apply()`` arguments: one grammar, in :mod:`ftshims.settings`) and
+applies the shims or nothing. That is how torchrun ranks, accelerate
 workers and spawned DataLoader workers get the launcher's shims:
 ``FTSHIMS_AUTO=1 torchrun train.py``, or ``ftshims.apply(propagate=True)`` in
 the launcher.
@@ -21,7 +22,8 @@ import sysconfig
 from pathlib import Path
 
 NAME = "ftshims-auto.pth"
-LINE = "import os; os.environ.get('FTSHIMS_AUTO', '0') not in ('', '0') and __import__('ftshims.auto')\n"
+# Only "is it set": the value is ftshims.auto's to read, so this line never disagrees with the grammar.
+LINE = "import os; 'FTSHIMS_AUTO' in os.environ and __import__('ftshims.auto')\n"
 
 
 def site_packages() -> Path:

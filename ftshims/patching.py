@@ -136,7 +136,7 @@ class _Slot:
     def rebuild(self) -> None:
         if self.tampered():
             log.warning(
-                "ftshims: %s was replaced by other code after ftshims patched it; "
+                "%s was replaced by other code after ftshims patched it; "
                 "leaving the other patch in place (ftshims' wrapper there now passes through)",
                 self.describe(),
             )

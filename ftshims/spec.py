@@ -9,7 +9,7 @@ to do so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional, Tuple, Type
 
 FIX = "fix"  # corrects wrong behaviour; applied by default
 SPEED = "speed"  # same results, faster; applied only when asked for
@@ -38,6 +38,23 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """What one setting of a shim accepts; ``apply()`` checks it before installing anything.
+
+    ``values`` lists the allowed values (strings compare case-insensitively and
+    are passed on in the spelling listed here), or ``type`` is the type a value
+    must have. ``env`` names the environment variable that supplies the setting
+    when ``apply()`` does not (an empty variable counts as unset). The
+    option's default (``ShimSpec.options``) is always allowed. The one checker
+    is :func:`ftshims.settings.check_value`.
+    """
+
+    values: Tuple[object, ...] = ()
+    type: Optional[Type] = None
+    env: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class ShimSpec:
     """The declarative description of one shim.
 
@@ -46,6 +63,10 @@ class ShimSpec:
     range (evaluated with ``prereleases=True``, see :mod:`ftshims.versions`).
     ``modules`` are the modules that must be imported before the patch can be
     installed; until then the shim is *deferred* behind a post-import hook.
+    ``options`` maps each option to its default; ``choices`` says what each
+    option accepts (every option needs one). A ``choices`` entry that is not an
+    option is a setting read only from its ``env`` variable (the rotary
+    kernel's backend): ``apply()`` checks it when the shim is selected.
     """
 
     id: str
@@ -58,6 +79,7 @@ class ShimSpec:
     modules: Tuple[str, ...]
     kind: str = FIX
     options: Mapping[str, object] = field(default_factory=dict)
+    choices: Mapping[str, Choice] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in (FIX, SPEED):
@@ -68,6 +90,15 @@ class ShimSpec:
             raise ValueError(f"{self.id}: a shim must cite at least one upstream reference")
         if not self.modules:
             raise ValueError(f"{self.id}: a shim must name the modules it patches")
+        # Undeclared values would only fail at the (possibly deferred) install: declare them up front.
+        undeclared = [name for name in self.options if name not in self.choices]
+        if undeclared:
+            raise ValueError(f"{self.id}: option(s) {', '.join(undeclared)} need a Choice in choices=")
+        for name, choice in self.choices.items():
+            if not choice.values and choice.type is None:
+                raise ValueError(f"{self.id}: choice {name!r} must list values= or give a type=")
+            if name not in self.options and not choice.env:
+                raise ValueError(f"{self.id}: choice {name!r} is not an option, so it needs env=")
 
 
 class TargetMissing(Exception):

@@ -85,6 +85,7 @@ class FakeWorld:
         targets: Iterable[Target] = (),
         kind: str = "fix",
         options: Optional[dict] = None,
+        choices: Optional[dict] = None,
     ) -> registry.Shim:
         module = types.ModuleType(f"fake_shim_{shim_id}")
         module.SPEC = ShimSpec(
@@ -98,6 +99,7 @@ class FakeWorld:
             modules=tuple(modules) if modules is not None else (self.target_module,),
             kind=kind,
             options=options or {},
+            choices=choices or {},
         )
         module.install = install
         shim = registry.Shim(module.SPEC, module)

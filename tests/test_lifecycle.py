@@ -11,7 +11,7 @@ from fakes import FakeWorld, add_one_more, wrap_add
 
 import ftshims
 from ftshims import _manager, patching
-from ftshims.spec import Target, TargetMissing
+from ftshims.spec import Choice, Target, TargetMissing
 
 
 @pytest.fixture
@@ -357,7 +357,7 @@ def test_only_selects_and_leaves_others_alone(world):
 
 
 def test_unknown_ids_and_options_are_value_errors(world):
-    world.add_shim("a", wrap_add, options={"policy": "error"})
+    world.add_shim("a", wrap_add, options={"policy": "error"}, choices={"policy": Choice(values=("error", "warn"))})
     with pytest.raises(ValueError, match="unknown shim id"):
         ftshims.apply(only=["nope"])
     with pytest.raises(ValueError, match="unknown shim id"):
@@ -369,7 +369,10 @@ def test_unknown_ids_and_options_are_value_errors(world):
 def test_options_reach_install(world):
     seen = {}
     world.module()
-    world.add_shim("opt", lambda p, o: seen.update(o), options={"policy": "error", "n": 1})
+    world.add_shim(
+        "opt", lambda p, o: seen.update(o), options={"policy": "error", "n": 1},
+        choices={"policy": Choice(values=("error", "warn")), "n": Choice(type=int)},
+    )
     ftshims.apply(options={"opt": {"policy": "warn"}})
     assert seen == {"policy": "warn", "n": 1}
 

@@ -51,11 +51,14 @@ def platform_info() -> Dict[str, Any]:
 
 def ftshims_info() -> Dict[str, Any]:
     import ftshims
+    from ftshims.settings import environment_problems
 
     return {
         "version": ftshims.__version__,
         "location": os.path.dirname(os.path.abspath(ftshims.__file__)),
         "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("FTSHIMS_")},
+        # The checks apply() and the start-up hook make: a bad value there means no shim gets applied.
+        "env_errors": environment_problems(),
     }
 
 

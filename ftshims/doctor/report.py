@@ -79,7 +79,7 @@ def skeleton(options: Options) -> Dict[str, Any]:
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "ftshims": {"version": None, "location": None, "env": {}},
+        "ftshims": {"version": None, "location": None, "env": {}, "env_errors": []},
         "options": options.to_dict(),
         "environment": {"python": {}, "platform": {}, "torch": {"status": None, "error": None}},
         "packages": [],
@@ -155,13 +155,18 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
         env["platform"] = steps.run("environment", platform_info, {})
         env["torch"] = steps.run("environment", torch_info, env["torch"])
 
-        trial = steps.run("trial", lambda: run_trial(options.trial_imports))
-        if trial is not None:
-            report["trial"] = {"mode": trial["mode"], "imports": trial["imports"], "seconds": trial["seconds"]}
-            report["shims"] = steps.run("shims", lambda: shim_rows(trial, options.trial_imports), [])
+        if report["ftshims"].get("env_errors"):
+            # apply() rejects these settings and applies nothing; a trial would only repeat its ValueError.
+            report["trial"]["mode"] = "skipped: an FTSHIMS_* setting is invalid (see problems); statuses from version gating only"
+            report["shims"] = steps.run("shims", _gating_despite_bad_settings, [])
         else:
-            report["trial"]["mode"] = "failed; statuses from version gating only"
-            report["shims"] = steps.run("shims", gating_only_rows, [])
+            trial = steps.run("trial", lambda: run_trial(options.trial_imports))
+            if trial is not None:
+                report["trial"] = {"mode": trial["mode"], "imports": trial["imports"], "seconds": trial["seconds"]}
+                report["shims"] = steps.run("shims", lambda: shim_rows(trial, options.trial_imports), [])
+            else:
+                report["trial"]["mode"] = "failed; statuses from version gating only"
+                report["shims"] = steps.run("shims", gating_only_rows, [])
 
         if options.lint_requested():
             report["findings"] = steps.run("lint", lambda: _lint(options, report), [])
@@ -186,6 +191,17 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
     report["summary"] = steps.run("summary", lambda: summarize(report), _fallback_summary())
     report["timing"]["total_s"] = round(time.perf_counter() - started, 2)
     return report
+
+
+def _gating_despite_bad_settings() -> List[Dict[str, Any]]:
+    """Version-gating rows when a setting is invalid: FTSHIMS_DISABLE as far as it parses (not at all when it is the bad one)."""
+    from ..settings import parse_disable
+
+    try:
+        disabled = parse_disable()
+    except ValueError:
+        disabled = set()
+    return gating_only_rows(disabled=disabled)
 
 
 def _start_probes(options: Options):
@@ -359,6 +375,9 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
     opt_in = [s["id"] for s in shims if s["verdict"] == OPT_IN]
 
     problems: List[Dict[str, Any]] = []
+    for error in report["ftshims"].get("env_errors") or []:
+        # apply() and the start-up hook reject this value: as things stand no shim gets applied at all.
+        problems.append({"source": "setting", "id": error["variable"], "message": error["message"]})
     for s in unpatched:
         problems.append(
             {"source": "shim", "id": s["id"], "message": f"{s['title']}: affected but {s['status']} ({s['reason']})"}

@@ -204,13 +204,13 @@ def load_failure_rows() -> List[Dict[str, Any]]:
     return rows
 
 
-def gating_only_rows() -> List[Dict[str, Any]]:
-    """Rows from version gating alone, for when the trial itself could not run."""
+def gating_only_rows(disabled=None) -> List[Dict[str, Any]]:
+    """Rows from version gating alone, for when the trial itself could not run (``disabled``: see ``selection``)."""
     from .._manager import selection
 
     statuses = {}
     for shim in registry.shims().values():
-        skip, reason = selection(shim)
+        skip, reason = selection(shim, disabled=disabled)
         statuses[shim.id] = _Gated(skip or DEFERRED, reason if skip else "selected (the trial did not run)")
     return shim_rows({"imports": [], "statuses": statuses, "notes": {}}, trial_imports=False)
 

@@ -173,7 +173,7 @@ def jit_build(verbose: bool = False) -> Path:
         if baton.exists():
             # torch's own lock file, left by a build that was killed: while we hold the flock
             # no other ftshims process can be building here, so it is stale (torch would wait forever).
-            log.warning("ftshims: removing a stale torch build lock %s (a previous build was interrupted)", baton)
+            log.warning("removing a stale torch build lock %s (a previous build was interrupted)", baton)
             baton.unlink()
         cpp_extension.load(
             name=name,

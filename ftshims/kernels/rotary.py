@@ -85,7 +85,7 @@ def _warn_once(message: str) -> None:
         if message in _WARNED:
             return
         _WARNED.add(message)
-    log.warning("ftshims: %s", message)
+    log.warning("%s", message)
 
 
 # ---------------------------------------------------------------------------
@@ -154,12 +154,17 @@ def inv_freq_from_config(config, device=None, seq_len=None) -> Tuple[object, flo
 
 
 def _requested(backend: Optional[str]) -> str:
-    name = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto") or "auto"
-    name = name.strip().lower()
-    if name not in BACKENDS:
-        where = "backend=" if backend is not None else BACKEND_ENV
-        raise ValueError(f"rotary: {where} must be one of {', '.join(BACKENDS)}, got {name!r}")
-    return name
+    """The backend asked for: ``backend``, else ``FTSHIMS_ROTARY_BACKEND`` (empty = unset), else ``auto``.
+
+    Checked by the same function as every other ftshims setting (``apply()``
+    checks the variable too when a rotary shim is selected).
+    """
+    from ..settings import check_value
+    from ..spec import Choice
+
+    if backend is not None:
+        return check_value("rotary: backend", backend, Choice(values=BACKENDS))
+    return check_value(f"rotary: {BACKEND_ENV}", os.environ.get(BACKEND_ENV, "").strip() or "auto", Choice(values=BACKENDS))
 
 
 def resolve_backend(device_type: str = "cpu", backend: Optional[str] = None) -> Tuple[str, Optional[str]]:

@@ -64,7 +64,7 @@ def _prepare_model_for_kbit_training(wrapped, instance, args, kwargs):
         p.requires_grad_(True)
     if refrozen:
         log.warning(
-            "ftshims: prepare_model_for_kbit_training was called on a model that already has adapters and froze "
+            "prepare_model_for_kbit_training was called on a model that already has adapters and froze "
             "them; %d adapter parameter(s) were made trainable again. Prepare the base model before get_peft_model.",
             len(refrozen),
         )

@@ -90,7 +90,7 @@ def _gradient_checkpointing_enable(wrapped, instance, args, kwargs):
         parameters = dict(model.named_parameters())
         for name in changed:
             parameters[name].requires_grad_(flags[name])
-        log.warning("ftshims: gradient_checkpointing_enable changed requires_grad of %d parameter(s); restored", len(changed))
+        log.warning("gradient_checkpointing_enable changed requires_grad of %d parameter(s); restored", len(changed))
     if _use_reentrant(args, kwargs) and _needs_input_grads(model):
         model.enable_input_require_grads()
     return result

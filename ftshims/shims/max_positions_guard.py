@@ -46,7 +46,8 @@ models are checked on both sides.
 
 Policy (option ``policy`` of ``apply(options={"max_positions_guard": {...}})``,
 else the environment variable ``FTSHIMS_MAX_POSITIONS_POLICY``, else ``auto``;
-read when the shim is applied):
+read and checked by ``apply()``, which raises ``ValueError`` for any other
+value before installing anything):
 
 * ``auto`` (default): ``error`` for learned positions, ``warn`` for RoPE;
 * ``error``: ``ValueError`` naming the model type, the needed length, the limit
@@ -65,15 +66,14 @@ Applies to transformers >= 4.30 (no release checks the length; unfixed in
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import threading
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from .._util import compiling
-from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from .._util import compiling, user_stacklevel
+from ..spec import Choice, Observation, ProbeUnsupported, ShimSpec, Target
 
 ENV_POLICY = "FTSHIMS_MAX_POSITIONS_POLICY"
 POLICIES = ("auto", "error", "warn", "truncate")
@@ -95,6 +95,7 @@ SPEC = ShimSpec(
     ),
     modules=("transformers.modeling_utils",),
     options={"policy": None},
+    choices={"policy": Choice(values=POLICIES, env=ENV_POLICY)},
 )
 
 _LEARNED_NAMES = ("wpe", "embed_positions", "position_embeddings", "position_embedding")
@@ -391,7 +392,7 @@ def _warn_once(model, key: str, message: str) -> None:
     if key in seen:
         return
     seen.add(key)
-    warnings.warn(message, PositionLimitWarning, stacklevel=4)
+    warnings.warn(message, PositionLimitWarning, stacklevel=user_stacklevel())
 
 
 def _truncate(call: _Call, profile: _Profile, side: _Side, names, new: int, past: int, keep: int) -> None:
@@ -487,18 +488,9 @@ class _Guard:
         return call.args, call.kwargs
 
 
-def resolve_policy(option: Optional[str]) -> str:
-    """The effective policy: the apply() option, else ``FTSHIMS_MAX_POSITIONS_POLICY``, else ``auto``."""
-    raw = option if option is not None else os.environ.get(ENV_POLICY, "").strip() or "auto"
-    policy = str(raw).strip().lower()
-    if policy not in POLICIES:
-        source = "option 'policy'" if option is not None else ENV_POLICY
-        raise ValueError(f"{source}={raw!r}: must be one of {', '.join(POLICIES)}")
-    return policy
-
-
 def install(patcher, options) -> None:
-    policy = resolve_policy(options.get("policy"))
+    # apply() has checked the option and FTSHIMS_MAX_POSITIONS_POLICY (ftshims.settings) and put the winner here.
+    policy = options.get("policy") or "auto"
     modeling_utils = sys.modules["transformers.modeling_utils"]
     guard = _Guard(policy, patcher.notes)
 

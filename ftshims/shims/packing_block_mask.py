@@ -95,7 +95,7 @@ def _forward(wrapped, instance, call, family):
     if window is not None and max(_packing.segment_lengths(segment_ids, real)) > window:
         _packing.warn_once(
             ("packing_block_mask", "window", type(instance).__name__),
-            "ftshims: packing_block_mask left a packed batch of %s alone: an example is longer than the "
+            "packing_block_mask left a packed batch of %s alone: an example is longer than the "
             "sliding window (%d), which one 4D mask cannot express",
             type(instance).__name__,
             window,

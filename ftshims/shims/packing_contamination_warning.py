@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
+from .._util import user_stacklevel
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -85,11 +86,11 @@ def _warner():
     """A ``warn(what)`` that warns once per packer for as long as this install lasts."""
     warned = set()
 
-    def warn(what: str, stacklevel: int) -> None:
+    def warn(what: str) -> None:
         if what in warned:
             return
         warned.add(what)
-        warnings.warn(_message(what), PackingContaminationWarning, stacklevel=stacklevel)
+        warnings.warn(_message(what), PackingContaminationWarning, stacklevel=user_stacklevel())
 
     return warn
 
@@ -106,16 +107,16 @@ def install(patcher, options) -> None:
     warn = _warner()
 
     def constant_length_init(wrapped, instance, args, kwargs):
-        warn("TRL ConstantLengthDataset", 3)
+        warn("TRL ConstantLengthDataset")
         return wrapped(*args, **kwargs)
 
     def pack_examples(wrapped, instance, args, kwargs):
-        warn("TRL pack_examples", 3)
+        warn("TRL pack_examples")
         return wrapped(*args, **kwargs)
 
     def pack_dataset(wrapped, instance, args, kwargs):
         if _strategy(wrapped, args, kwargs) == "wrapped":
-            warn("TRL pack_dataset(strategy='wrapped')", 3)
+            warn("TRL pack_dataset(strategy='wrapped')")
         return wrapped(*args, **kwargs)
 
     def trainer_utils(module):

@@ -41,7 +41,8 @@ import sys
 import threading
 
 from .._util import compiling
-from ..spec import SPEED, Observation, ShimSpec, Target
+from ..kernels.rotary import BACKEND_ENV, BACKENDS
+from ..spec import SPEED, Choice, Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="rope_fused_kernel",
@@ -62,6 +63,8 @@ SPEC = ShimSpec(
     ),
     modules=("transformers.modeling_utils",),
     kind=SPEED,
+    # Not an option: the kernel reads FTSHIMS_ROTARY_BACKEND at each call; apply() checks it up front.
+    choices={"backend": Choice(values=BACKENDS, env=BACKEND_ENV)},
 )
 
 log = logging.getLogger("ftshims")
@@ -195,9 +198,10 @@ def _fused(semantics, interleaved, partial_ok, bound):
         return None
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return None
-    backend, _reason = rotary.resolve_backend(q.device.type, "auto")
+    # None: FTSHIMS_ROTARY_BACKEND decides, as for every other kernel call ("reference" never loads the extension)
+    backend, _reason = rotary.resolve_backend(q.device.type, None)
     if backend == "reference":
-        return None  # no compiled kernel here: transformers' own code is as good
+        return None  # no compiled kernel here (or the reference was asked for): transformers' own code is as good
     form = TOKEN if TOKEN in semantics else (TABLE4D if cos.dim() == 4 else TABLE)
     if form not in semantics:
         return None
