@@ -7,6 +7,8 @@
     nox -s rotary_flash       # the rotary kernel against flash-attn's released Triton files (interpreter)
     nox -s nvcc               # compile check of the CUDA sources for sm_80 and sm_90 (no GPU needed)
     nox -s canary             # every shim target still exists in the tracked and newest releases
+    nox -s zoo                # model-zoo parity gate on three stacks (tests/zoo/README.md)
+    nox -s mutation_check     # a no-op version of every fix shim fails its tests (tools/mutation.py)
 
 Every session is a uv venv with torch 2.13.0 (CPU). uv does not read pip's
 configuration, so a local wheel folder named by ``pip config get
@@ -19,14 +21,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).parent
-STACKS = tomllib.loads((ROOT / "ftshims" / "data" / "stacks.toml").read_text())["stacks"]
-DEFAULT_STACK = next(name for name, stack in STACKS.items() if stack.get("default"))
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tools"))
+from ftshims import datafiles  # noqa: E402  (imports nothing heavy)
+
+STACKS = datafiles.stacks()
+DEFAULT_STACK = datafiles.default_stack()
 RESULTS = ROOT / "matrix-results"
 TORCH = "torch==2.13.0"
 TEST_DEPS = ["wrapt>=1.14", "packaging>=21", "pytest>=7", "hypothesis>=6", "pyyaml", "ninja"]
@@ -87,7 +92,7 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
-@nox.parametrize("stack", [name for name, info in STACKS.items() if name != DEFAULT_STACK and "session" not in info])
+@nox.parametrize("stack", datafiles.matrix_stacks())
 def matrix(session: nox.Session, stack: str) -> None:
     """The whole suite on one pinned stack."""
     _run_suite(session, stack)
@@ -119,10 +124,14 @@ def rotary_flash(session: nox.Session) -> None:
     session.run("python", "tools/fetch_flash_attn_sources.py", "--dest", str(sources), "--check", env=env)
     session.run(
         "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
-        "tests/test_shim_flash_attn_rotary.py", "tests/test_shim_rope_inv_freq_fp32.py",
+        "tests/test_shim_flash_attn_rotary.py", "tests/test_shim_flash_attn_rotary_kernel.py",
+        "tests/test_flash_attn_upstream_rotary.py", "tests/test_shim_rope_inv_freq_fp32.py",
         "tests/test_shim_rope_fused_kernel.py", "--hypothesis-profile=fuzz", "--hypothesis-show-statistics",
         *session.posargs, env=env,
     )
+    # The mutation check of the flash-attn shims (tools/mutation.py), which need these sources.
+    mutation_env = {k: v for k, v in env.items() if k != "FTSHIMS_EVIDENCE_OUT"}
+    session.run("python", "tools/mutation.py", "--stack", stack, "--out", str(RESULTS / "mutation"), env=mutation_env)
 
 
 @nox.session(python="3.11")
@@ -140,4 +149,45 @@ def canary(session: nox.Session) -> None:
     while pip prepares the sdist.
     """
     session.install(*_torch_source(), TORCH, "pip", "setuptools", "wheel", "packaging", "wrapt")
-    session.run("python", "-m", "ftshims.matrix", "--canary", *session.posargs, env={"PYTHONPATH": str(ROOT)})
+    session.run("python", "-m", "ftshims.canary", *session.posargs, env={"PYTHONPATH": str(ROOT)})
+
+
+import mutation  # noqa: E402  (tools/mutation.py: reads the registry and stacks.toml only)
+
+# Stacks that check a no-op version of a fix shim (the flash-attn ones run in rotary_flash).
+MUTATION_STACKS = sorted({s for s in mutation.assignment().values() if s and s != mutation.FLASH_ATTN_STACK})
+
+
+@nox.session(python="3.11")
+@nox.parametrize("stack", MUTATION_STACKS)
+def mutation_check(session: nox.Session, stack: str) -> None:
+    """Every fix shim's tests fail when the shim is installed as a no-op (tools/mutation.py)."""
+    session.install(*_torch_source(), TORCH, *STACKS[stack]["pins"], *TEST_DEPS)
+    _install_project(session)
+    session.run("python", "tools/mutation.py", "--stack", stack, "--out", str(RESULTS / "mutation"),
+                env=_test_env(FTSHIMS_STACK=stack))
+
+
+# The model-zoo parity gate runs on one stack of the 4.37 mask era, the default stack and the
+# newest release; coverage goals (fractions of the causal-LM mapping / of all listed mappings)
+# where the issue set them.
+ZOO_STACKS = {"t4_37": (0.0, 0.0), "t4_57": (0.90, 0.75), "t5_24": (0.90, 0.75)}
+
+
+@nox.session(python="3.11")
+@nox.parametrize("stack", list(ZOO_STACKS))
+def zoo(session: nox.Session, stack: str) -> None:
+    """Model-zoo parity gate: the default apply() leaves every tiny architecture bit-identical (tests/zoo/README.md).
+
+    nox -s "zoo(stack='t4_57')" runs the default stack only; arguments after -- go to tests/zoo/gate.py
+    (e.g. -- --only llama,clip --verbose). Results: matrix-results/zoo/<stack>.json and <stack>-skips.txt.
+    """
+    session.install(*_torch_source(), TORCH, *STACKS[stack]["pins"], *TEST_DEPS)
+    out = RESULTS / "zoo"
+    out.mkdir(parents=True, exist_ok=True)
+    min_causal, min_overall = ZOO_STACKS[stack]
+    session.run(
+        "python", "tests/zoo/gate.py", "--stack", stack, "--json", str(out / f"{stack}.json"),
+        "--skips", str(out / f"{stack}-skips.txt"), "--min-causal", str(min_causal), "--min-overall", str(min_overall),
+        *session.posargs, env=_test_env(FTSHIMS_STACK=stack),
+    )

@@ -108,9 +108,8 @@ def selection(shim, only=None, exclude=None, include=None, versions=None, disabl
 def _check_declared_targets(shim, versions) -> None:
     """TargetMissing if a declared target of an imported module is absent or changed."""
     spec = shim.spec
-    first_package = next(iter(spec.requires))
     for target in spec.targets:
-        if target.when and not in_range(versions.get(first_package), target.when):
+        if target.when and not in_range(versions.get(target.package), target.when):
             continue
         module = sys.modules.get(target.module)
         if module is None or target.module not in spec.modules:
@@ -261,11 +260,20 @@ def status() -> Report:
                     patched=list(record.patcher.patched) if record.patcher else [],
                     waiting=list(record.patcher.waiting) if record.patcher else [],
                     notes=list(record.patcher.notes) if record.patcher else [],
+                    evidence=_evidence(shim.spec, record.status),
                 )
             )
         for shim_id, reason in registry.load_errors().items():
             entries.append(ShimStatus(id=shim_id, kind="fix", status=FAILED, reason=reason))
         return Report(entries)
+
+
+def _evidence(spec, status: str) -> str:
+    from . import verdicts
+
+    if status in (APPLIED, DEFERRED):
+        return verdicts.delivered(spec)
+    return verdicts.ABSENT if status == NOT_NEEDED else verdicts.NOT_RUN
 
 
 def notes(shim_id: str) -> List[str]:

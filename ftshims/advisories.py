@@ -57,7 +57,7 @@ from packaging.version import InvalidVersion, Version
 
 from .versions import in_range, installed_version
 
-DATA = Path(__file__).resolve().parent / "data" / "advisories.json"
+from .datafiles import ADVISORIES_FILE as DATA  # noqa: E402
 
 SEVERITIES = ("error", "warning", "info")
 SEVERITY_RANK = {name: rank for rank, name in enumerate(SEVERITIES)}

@@ -1,7 +1,7 @@
 """Drift canary: do every shim's targets still exist, with the expected parameters, in released code?
 
-    python -m ftshims.matrix --canary            # tracked versions (stacks.toml) + newest releases
-    python -m ftshims.matrix --canary --tracked-only
+    python -m ftshims.canary            # tracked versions (stacks.toml) + newest releases
+    python -m ftshims.canary --tracked-only
 
 For each package a shim patches, the canary fetches the released distribution
 with ``pip download --no-deps`` (nothing is installed), reads the target
@@ -237,7 +237,7 @@ def check_target(source: Source, target) -> Tuple[bool, str]:
 
 
 def tracked_versions(package: str) -> List[str]:
-    from .matrix import stacks
+    from .datafiles import stacks
 
     versions = set()
     for info in stacks().values():
@@ -252,8 +252,7 @@ def run(include_newest: bool = True, cache: Path = CACHE, log=print) -> List[Fin
     findings: List[Finding] = []
     by_package: Dict[str, List] = {}
     for shim in registry.shims().values():
-        if shim.spec.targets:
-            package = next(iter(shim.spec.requires))
+        for package in sorted({target.package for target in shim.spec.targets}):
             by_package.setdefault(package, []).append(shim)
     for package, shims in sorted(by_package.items()):
         versions: List[Tuple[Optional[str], bool]] = [(v, True) for v in tracked_versions(package)]
@@ -275,7 +274,7 @@ def run(include_newest: bool = True, cache: Path = CACHE, log=print) -> List[Fin
                 if not in_range(actual, spec_range):
                     continue
                 for target in shim.spec.targets:
-                    if target.when and not in_range(actual, target.when):
+                    if target.package != package or target.when and not in_range(actual, target.when):
                         continue
                     ok, detail = check_target(source, target)
                     findings.append(Finding(shim.id, package, actual, tracked, target.dotted, ok, detail))
@@ -299,3 +298,18 @@ def report(findings: Iterable[Finding]) -> Tuple[str, int]:
         f"({failed} on tracked versions) across {len({(f.package, f.version) for f in findings})} releases"
     )
     return "\n".join(lines), 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ftshims.canary", description=__doc__.splitlines()[0])
+    parser.add_argument("--tracked-only", action="store_true", help="skip the newest releases")
+    args = parser.parse_args(argv)
+    text, code = report(run(include_newest=not args.tracked_only))
+    print(text)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,14 +4,16 @@
     python -m ftshims.matrix --check              # exit 1 if COMPAT_MATRIX.md is stale
     python -m ftshims.matrix --evidence DIR --record   # merge a matrix run into data/verified.json, rewrite
     python -m ftshims.matrix --evidence DIR --check    # also: this run's evidence equals what is recorded
-    python -m ftshims.matrix --canary             # drift canary, see ftshims.canary
 
 The evidence of a run is one JSON file per stack, written by the test suite
-(``FTSHIMS_EVIDENCE_OUT``): for every shim and scenario, whether the stack was
-inside the shim's range, whether the bug showed without the shim and whether
-it was gone with it. ``data/verified.json`` keeps the verdict per shim and
-stack; COMPAT_MATRIX.md shows it. A claim in the matrix that the latest run
-does not reproduce fails ``--check``.
+(``FTSHIMS_EVIDENCE_OUT``) from tests that passed, after their assertions: for
+every shim and scenario, the test id, whether the stack was inside the shim's
+range, whether the shim was applied, whether the bug showed without the shim
+and whether it was gone with it, and what was measured each way; the file
+carries the installed versions, read from package metadata. ``data/verified.json``
+holds exactly what the evidence of the whole matrix supports (one verdict of
+:mod:`ftshims.verdicts` per shim and stack); ``--record`` rewrites it from a
+complete run, ``--check --evidence`` fails when a run supports anything else.
 """
 
 from __future__ import annotations
@@ -20,125 +22,140 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from . import registry
+from . import datafiles, registry, verdicts
+from .verdicts import ABSENT, MISMATCH, NOT_RUN, SAME_RESULTS
 
-DATA = Path(__file__).parent / "data"
-VERIFIED = DATA / "verified.json"
-STACKS = DATA / "stacks.toml"
-CLAIMS = DATA / "claims.toml"
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "COMPAT_MATRIX.md"
 
-FIXED = "fixed"  # bug reproduced without the shim, gone with it
-ABSENT = "absent"  # outside the range: bug absent, shim not applied
-EQUIVALENT = "equivalent"  # a speed shim: applied, same results as without it in every scenario
-MISMATCH = "MISMATCH"  # evidence contradicts the registry (the tests fail too)
-
 SYMBOL = {
-    FIXED: "✅ reproduced, fixed",
-    ABSENT: "➖ not affected",
-    EQUIVALENT: "⚡ same results",
+    verdicts.FIXED: "✅ fixed",
+    verdicts.FIXED_ON_STAND_IN: "🧪 fixed on a stand-in",
+    verdicts.GUARDED: "🛡️ guarded",
+    verdicts.WARNED: "⚠️ warned",
+    ABSENT: "➖ absent",
+    SAME_RESULTS: "⚡ same results",
     MISMATCH: "❌ mismatch",
+    NOT_RUN: "· not run",
 }
 
 
-def _load_toml(path: Path) -> dict:
-    try:
-        import tomllib
-    except ImportError:  # Python < 3.11
-        raise SystemExit("ftshims.matrix needs Python 3.11+ (tomllib)") from None
-    return tomllib.loads(path.read_text())
+def _consistent(scenario: dict) -> bool:
+    """One scenario agrees with the registry: applied exactly in range, the bug exactly where
+    expected without the shim, never with it."""
+    in_range = scenario["affected"]
+    expected = in_range and scenario.get("expect_bug", True)
+    applied = scenario.get("status") in ("applied", "deferred")
+    return (
+        scenario["bug_without_shim"] == expected
+        and not scenario["bug_with_shim"]
+        and applied == in_range
+    )
 
 
-def stacks() -> Dict[str, dict]:
-    return _load_toml(STACKS)["stacks"]
+def verdict(scenarios: Dict[str, dict], spec) -> str:
+    """One verdict (:mod:`ftshims.verdicts`) for a shim on a stack, from its recorded scenarios.
 
-
-def verdict(scenarios: Dict[str, dict], kind: str = "fix") -> str:
-    """One verdict for a shim on a stack, from its recorded scenarios.
-
-    For a speed shim the "bug" a scenario records is a difference from the
-    unpatched run (results or gradients out of tolerance), so it must never show.
+    Every scenario must agree with the registry (:func:`_consistent`), else
+    ``mismatch``. In range, at least one scenario must reproduce the bug
+    without the shim (a range that selects a stack where the bug is absent is
+    a mismatch too); the verdict is then the one the shim's declared effect
+    earns: fixed, fixed on a stand-in, guarded or warned. For a speed shim the
+    "bug" of a scenario is a difference from the unpatched run.
     """
     if not scenarios:
+        return NOT_RUN
+    if not all(_consistent(s) for s in scenarios.values()):
         return MISMATCH
-    affected = {s["affected"] for s in scenarios.values()}
-    if any(s["bug_with_shim"] for s in scenarios.values()):
-        return MISMATCH
-    if kind == "speed":
+    in_range = {s["affected"] for s in scenarios.values()}
+    if spec.kind == "speed":
         if any(s["bug_without_shim"] for s in scenarios.values()):
             return MISMATCH
-        return EQUIVALENT if affected == {True} else ABSENT if affected == {False} else MISMATCH
-    if affected == {True}:
-        return FIXED if any(s["bug_without_shim"] for s in scenarios.values()) else MISMATCH
-    if affected == {False}:
-        return ABSENT if not any(s["bug_without_shim"] for s in scenarios.values()) else MISMATCH
-    # Scenario-specific ranges (e.g. a TRL-path scenario inside a peft-wide shim): both kinds may appear.
-    reproduced = [s for s in scenarios.values() if s["affected"] and s["bug_without_shim"]]
-    spurious = [s for s in scenarios.values() if not s["affected"] and s["bug_without_shim"]]
-    return FIXED if reproduced and not spurious else MISMATCH
+        return SAME_RESULTS if True in in_range else ABSENT
+    if True not in in_range:
+        return ABSENT
+    if not any(s["affected"] and s["bug_without_shim"] for s in scenarios.values()):
+        return MISMATCH  # in range, yet the bug did not reproduce here
+    return verdicts.delivered(spec)
 
 
-def verdicts_from_evidence(directory: Path) -> Dict[str, Dict[str, dict]]:
-    """``{shim_id: {stack: {"verdict", "scenarios", "reproduced"}}}`` from a matrix run."""
-    table: Dict[str, Dict[str, dict]] = {}
+def _check_versions(run: dict, path: Path) -> List[str]:
+    """Problems with a run's versions: they must be its stack's pins (read from the installed metadata)."""
+    stack = run.get("stack")
+    if stack not in datafiles.stacks():
+        return [f"{path.name}: stack {stack!r} is not in stacks.toml"]
+    problems = []
+    for name, pinned in datafiles.pinned_versions(stack).items():
+        got = run.get("versions", {}).get(name)
+        if got is not None and got != pinned:
+            problems.append(f"{path.name}: {name} {got} installed, stack {stack} pins {pinned}")
+    return problems
+
+
+def verified_from_evidence(directory: Path) -> Tuple[dict, List[str]]:
+    """The ``verified.json`` content a matrix run's evidence supports, and the problems found on the way."""
+    shims = registry.shims()
+    fresh: dict = {"stacks": {}, "shims": {}}
+    problems: List[str] = []
     for path in sorted(Path(directory).glob("*.json")):
         run = json.loads(path.read_text())
+        problems += _check_versions(run, path)
+        fresh["stacks"][run["stack"]] = {"versions": run["versions"]}
         for shim_id, scenarios in run["results"].items():
-            kind = registry.shims()[shim_id].spec.kind if shim_id in registry.shims() else "fix"
-            table.setdefault(shim_id, {})[run["stack"]] = {
-                "verdict": verdict(scenarios, kind),
+            if shim_id not in shims:
+                problems.append(f"{path.name}: evidence for unknown shim {shim_id}")
+                continue
+            fresh["shims"].setdefault(shim_id, {})[run["stack"]] = {
+                "verdict": verdict(scenarios, shims[shim_id].spec),
                 "scenarios": len(scenarios),
-                "reproduced": sum(1 for s in scenarios.values() if s["bug_without_shim"]),
+                "reproduced": sum(1 for s in scenarios.values() if s["affected"] and s["bug_without_shim"]),
+                "tests": sorted({s.get("test", "?") for s in scenarios.values()}),
             }
-    return table
-
-
-def stack_versions_from_evidence(directory: Path) -> Dict[str, dict]:
-    return {json.loads(p.read_text())["stack"]: json.loads(p.read_text())["versions"] for p in sorted(Path(directory).glob("*.json"))}
+    return fresh, problems
 
 
 def load_verified() -> dict:
-    if VERIFIED.exists():
-        return json.loads(VERIFIED.read_text())
-    return {"stacks": {}, "shims": {}}
+    return datafiles.verified()
 
 
 def record(directory: Path) -> dict:
-    """Merge a matrix run into verified.json (stacks in the run replace their earlier verdicts)."""
-    verified = load_verified()
-    for stack, versions in stack_versions_from_evidence(directory).items():
-        verified["stacks"][stack] = {"versions": versions}
-    for shim_id, per_stack in verdicts_from_evidence(directory).items():
-        verified["shims"].setdefault(shim_id, {}).update(per_stack)
-    VERIFIED.write_text(json.dumps(verified, indent=2, sort_keys=True) + "\n")
-    return verified
+    """Replace verified.json by what this run's evidence supports (every stack must be in the run)."""
+    fresh, problems = verified_from_evidence(directory)
+    missing = [s for s in datafiles.stacks() if s not in fresh["stacks"]]
+    if missing:
+        problems.append(f"no evidence for stack(s) {', '.join(missing)}")
+    if problems:
+        raise SystemExit("matrix: not recorded:\n  " + "\n  ".join(problems))
+    datafiles.VERIFIED_FILE.write_text(json.dumps(fresh, indent=2, sort_keys=True) + "\n")
+    return fresh
 
 
 def compare_evidence(directory: Path, require_all: bool = True) -> List[str]:
-    """Differences between a run's verdicts and the recorded ones (empty when they agree)."""
-    problems = []
-    verified = load_verified()
-    fresh = verdicts_from_evidence(directory)
-    ran = set(stack_versions_from_evidence(directory))
+    """Differences between what a run's evidence supports and the committed verified.json (empty when equal)."""
+    fresh, problems = verified_from_evidence(directory)
+    committed = load_verified()
+    ran = set(fresh["stacks"])
     if require_all:
-        missing = [s for s in stacks() if s not in ran]
+        missing = [s for s in datafiles.stacks() if s not in ran]
         if missing:
             problems.append(f"no evidence for stack(s) {', '.join(missing)}")
-    for shim_id, per_stack in fresh.items():
+    for shim_id, per_stack in fresh["shims"].items():
         for stack, entry in per_stack.items():
             if entry["verdict"] == MISMATCH:
                 problems.append(f"{shim_id} on {stack}: evidence contradicts the registry")
-            recorded = verified["shims"].get(shim_id, {}).get(stack, {}).get("verdict")
-            if recorded != entry["verdict"]:
-                problems.append(f"{shim_id} on {stack}: run says {entry['verdict']}, COMPAT_MATRIX says {recorded}")
-    for shim_id, per_stack in verified["shims"].items():
+            recorded = committed["shims"].get(shim_id, {}).get(stack)
+            if recorded != entry:
+                problems.append(f"{shim_id} on {stack}: this run supports {entry}, verified.json says {recorded}")
+    for shim_id, per_stack in committed["shims"].items():
         for stack in per_stack:
-            if stack in ran and stack not in fresh.get(shim_id, {}):
+            if stack in ran and stack not in fresh["shims"].get(shim_id, {}):
                 problems.append(f"{shim_id} on {stack}: recorded, but this run produced no evidence")
+    for stack in ran:
+        if committed["stacks"].get(stack) != fresh["stacks"][stack]:
+            problems.append(f"stack {stack}: versions differ from verified.json")
     for shim_id in registry.ids():
-        if shim_id not in verified["shims"] and shim_id not in fresh:
+        if shim_id not in committed["shims"] and shim_id not in fresh["shims"]:
             problems.append(f"{shim_id}: no evidence recorded on any stack")
     return problems
 
@@ -169,9 +186,14 @@ def _refs(spec) -> str:
     return ", ".join(out)
 
 
+def _delivers(spec) -> str:
+    text = verdicts.delivered(spec)
+    return f"{text} ({spec.stand_in}; GPU evidence pending)" if spec.stand_in else text
+
+
 def render() -> str:
     shims = registry.shims()
-    all_stacks = stacks()
+    all_stacks = datafiles.stacks()
     verified = load_verified()
     lines = [
         "# Compatibility matrix",
@@ -179,27 +201,51 @@ def render() -> str:
         "<!-- Generated by `python -m ftshims.matrix` from the shim registry, ftshims/data/stacks.toml,",
         "     ftshims/data/verified.json and ftshims/data/claims.toml. Do not edit by hand; a test fails when it is stale. -->",
         "",
-        "Each shim fixes one reproduced bug, only on the versions where it exists. `fix` shims are applied by",
-        "`ftshims.apply()`; `speed` shims only when asked for (`include=[...]`). Ranges are PEP 440 specifiers",
-        "evaluated with pre-releases included.",
+        "## Is my stack affected?",
+        "",
+        "Run `python -m ftshims.doctor`: it reads your installed versions (without importing the packages) and lists",
+        "the known bugs your stack has and what ftshims does about each. By package version:",
+        "",
+        "| package | versions | bug | ftshims | fixed upstream in |",
+        "|---|---|---|---|---|",
+    ]
+    rows = []
+    for shim in shims.values():
+        spec = shim.spec
+        if spec.kind == "speed":
+            continue
+        package, specifier = next(iter(spec.requires.items()))
+        extra = "".join(f"<br>with {name} `{r}`" for name, r in list(spec.requires.items())[1:])
+        rows.append((package, spec.id, f"| {package} | `{specifier}`{extra} | {_md(spec.title)} | "
+                     f"{verdicts.delivered(spec)} (`{spec.id}`) | {_fixed(spec)} |"))
+    lines += [row for _, _, row in sorted(rows)]
+    lines += [
+        "",
+        "What the verdicts mean: **fixed** — the bug reproduced on that real stack and is gone with the shim;",
+        "**fixed on a stand-in** — reproduced with a named CPU stand-in for a GPU kernel, GPU evidence pending;",
+        "**guarded** — a crash or silent corruption becomes a clear error; **warned** — the shim only warns (never",
+        "counted as a fix); **absent** — the bug does not exist there; **same results** — a `speed` shim matches",
+        "the unpatched numbers; **not run** — no test of that shim can run on that stack.",
         "",
         "## Shims",
         "",
-        "| shim | kind | affected versions | fixed in | symptom | upstream |",
-        "|---|---|---|---|---|---|",
+        "`fix` shims are applied by `ftshims.apply()`; `speed` shims only when asked for (`include=[...]`). Ranges",
+        "are PEP 440 specifiers evaluated with pre-releases included.",
+        "",
+        "| shim | kind | where the bug exists, ftshims | affected versions | fixed in | symptom | upstream |",
+        "|---|---|---|---|---|---|---|",
     ]
     for shim in shims.values():
         spec = shim.spec
         lines.append(
-            f"| `{spec.id}` | {spec.kind} | {_ranges(spec)} | {_fixed(spec)} | {_md(spec.symptom)} | {_refs(spec)} |"
+            f"| `{spec.id}` | {spec.kind} | {_md(_delivers(spec))} | {_ranges(spec)} | {_fixed(spec)} | "
+            f"{_md(spec.symptom)} | {_refs(spec)} |"
         )
     lines += ["", "## Verified on pinned stacks", ""]
     lines += [
-        "Every stack runs the whole test suite. In range, a shim's test reproduces the bug without the shim and",
-        "shows it gone with it; out of range, it shows the bug absent and the shim not applied. A speed shim shows",
-        "the same results (logits and gradients within tolerance) with and without it. Cells give the verdict and",
-        "`reproduced/scenarios`; \"not run\" means no test of that shim can run on that stack (for example packing",
-        "below transformers 4.37, which accepts no custom mask, or flash-attn's files outside `fa_rotary`).",
+        "Every stack runs the test suite; only tests that passed leave evidence. In range, a shim's test reproduces",
+        "the bug without the shim and shows it gone with it; out of range, it shows the bug absent and the shim not",
+        "applied. Cells give the verdict and `reproduced/scenarios`.",
         "",
     ]
     names = list(all_stacks)
@@ -209,30 +255,28 @@ def render() -> str:
         cells = []
         for stack in names:
             entry = verified["shims"].get(shim_id, {}).get(stack)
-            cells.append(f"{SYMBOL[entry['verdict']]} {entry['reproduced']}/{entry['scenarios']}" if entry else "not run")
+            cells.append(f"{SYMBOL[entry['verdict']]} {entry['reproduced']}/{entry['scenarios']}" if entry else SYMBOL[NOT_RUN])
         lines.append(f"| `{shim_id}` | " + " | ".join(cells) + " |")
     lines += ["", "## Stacks", "", "| stack | torch | transformers | peft | trl | accelerate | datasets | note |"]
     lines.append("|---|---|---|---|---|---|---|---|")
     for stack, info in all_stacks.items():
-        pins = {p.split("==")[0]: p.split("==")[1] for p in info["pins"] if "==" in p}
+        pins = datafiles.pinned_versions(stack)
         recorded = verified["stacks"].get(stack, {}).get("versions", {})
         torch_version = recorded.get("torch") or "2.13.0"
-        cols = [pins.get(k, recorded.get(k, "?")) for k in ("transformers", "peft", "trl", "accelerate", "datasets")]
+        cols = [pins.get(k, recorded.get(k) or "?") for k in ("transformers", "peft", "trl", "accelerate", "datasets")]
         lines.append(f"| `{stack}` | {torch_version} | " + " | ".join(cols) + f" | {_md(info.get('note', ''))} |")
     lines += ["", "## Shim details", ""]
     for shim in shims.values():
         spec = shim.spec
-        lines += [f"### `{spec.id}` — {spec.title}", ""]
-        doc = (shim.module.__doc__ or "").strip().split("\n\n")
-        if len(doc) > 1:
-            lines += [" ".join(doc[1].split()), ""]
-        lines.append("Targets: " + ", ".join(f"`{t.dotted}`" + (f" (transformers `{t.when}`)" if t.when else "") for t in spec.targets))
+        lines += [f"### `{spec.id}` — {spec.title}", "", _md(spec.why), ""]
+        lines.append("Targets: " + ", ".join(
+            f"`{t.dotted}`" + (f" ({t.package} `{t.when}`)" if t.when else "") for t in spec.targets))
         if spec.options:
             lines.append("")
             lines.append("Options: " + ", ".join(f"`{k}` (default `{v!r}`)" for k, v in spec.options.items()))
         lines += [""]
     lines += ["## Popular claims that turned out false", ""]
-    for claim in _load_toml(CLAIMS)["claims"]:
+    for claim in datafiles.claims():
         lines += [f"- **Claim:** {_md(claim['claim'])}", f"  **What is true:** {_md(claim['truth'])}"]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -241,18 +285,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ftshims.matrix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when COMPAT_MATRIX.md (or the evidence) disagrees")
     parser.add_argument("--evidence", type=Path, help="directory of per-stack evidence JSON written by a test run")
-    parser.add_argument("--record", action="store_true", help="merge --evidence into ftshims/data/verified.json")
+    parser.add_argument("--record", action="store_true", help="rewrite ftshims/data/verified.json from --evidence (a complete run)")
     parser.add_argument("--partial", action="store_true", help="with --evidence --check: do not require every stack")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    parser.add_argument("--canary", action="store_true", help="check every shim's targets in released code (downloads)")
-    parser.add_argument("--tracked-only", action="store_true", help="with --canary: skip the newest releases")
     args = parser.parse_args(argv)
-    if args.canary:
-        from . import canary
-
-        text, code = canary.report(canary.run(include_newest=not args.tracked_only))
-        print(text)
-        return code
     if args.record:
         if not args.evidence:
             parser.error("--record needs --evidence DIR")

@@ -27,6 +27,10 @@ class ShimStatus:
     patched: List[str] = field(default_factory=list)
     waiting: List[str] = field(default_factory=list)  # modules whose parts are installed on import
     notes: List[str] = field(default_factory=list)  # what an active shim left alone, and why
+    # What the shim delivers here, in the vocabulary shared with the doctor and COMPAT_MATRIX.md
+    # (ftshims.verdicts): fixed / fixed on a stand-in / guarded / warned / same results while
+    # active, absent when the installed versions are outside its range, else not run.
+    evidence: str = "not run"
 
     @property
     def active(self) -> bool:

@@ -23,18 +23,25 @@ class Target:
     inside that module (``"PreTrainedModel.gradient_checkpointing_enable"``).
     ``params`` lists parameter names the shim relies on; a target without them
     counts as *changed* and the shim is skipped. ``when`` is a specifier on the
-    spec's first package: the target only exists (and is only checked) on
-    versions inside it.
+    distribution that ships ``module`` (:attr:`package`: ``trl.trainer.utils``
+    -> ``trl``, ``flash_attn.layers`` -> ``flash-attn``): the target only exists
+    (and is only checked) on versions inside it.
     """
 
     module: str
     qualname: str
     params: Tuple[str, ...] = ()
     when: Optional[str] = None
+    distribution: Optional[str] = None  # what ``when`` is read against, when not the one that ships ``module``
 
     @property
     def dotted(self) -> str:
         return f"{self.module}.{self.qualname}"
+
+    @property
+    def package(self) -> str:
+        """The distribution ``when`` is read against: ``distribution``, else the one that ships ``module``."""
+        return self.distribution or self.module.split(".", 1)[0].replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,14 @@ class ShimSpec:
     range (evaluated with ``prereleases=True``, see :mod:`ftshims.versions`).
     ``modules`` are the modules that must be imported before the patch can be
     installed; until then the shim is *deferred* behind a post-import hook.
+    ``why`` says in two or three sentences why the shim exists (the matrix shows it;
+    the module docstring has the full story). ``effect`` says what the shim does where its bug exists (``"fixes"``,
+    ``"guards"``: a clear error instead of a crash or corruption, ``"warns"``),
+    and ``stand_in`` names the CPU stand-in its evidence comes from when the
+    real code needs a GPU; together they give its verdict (:mod:`ftshims.verdicts`).
+    ``needs_any`` names distributions without which the bug cannot happen (flash
+    attention needs flash-attn): the doctor counts a stack affected only when one
+    is installed, while ``apply()`` still installs the shim (tests use stand-ins).
     ``options`` maps each option to its default; ``choices`` says what each
     option accepts (every option needs one). A ``choices`` entry that is not an
     option is a setting read only from its ``env`` variable (the rotary
@@ -78,18 +93,29 @@ class ShimSpec:
     targets: Tuple[Target, ...]
     modules: Tuple[str, ...]
     kind: str = FIX
+    why: str = ""
+    effect: str = "fixes"
+    stand_in: str = ""
+    needs_any: Tuple[str, ...] = ()
     options: Mapping[str, object] = field(default_factory=dict)
     choices: Mapping[str, Choice] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in (FIX, SPEED):
             raise ValueError(f"{self.id}: kind must be {FIX!r} or {SPEED!r}, not {self.kind!r}")
+        if self.effect not in ("fixes", "guards", "warns"):
+            raise ValueError(f"{self.id}: effect must be 'fixes', 'guards' or 'warns', not {self.effect!r}")
         if not self.requires:
             raise ValueError(f"{self.id}: a shim must name the package versions it applies to")
+        if not self.why:
+            raise ValueError(f"{self.id}: a shim must say why it exists (why=)")
         if not self.refs:
             raise ValueError(f"{self.id}: a shim must cite at least one upstream reference")
         if not self.modules:
             raise ValueError(f"{self.id}: a shim must name the modules it patches")
+        for target in self.targets:
+            if target.when and target.package not in self.requires:
+                raise ValueError(f"{self.id}: target {target.dotted} has when= on {target.package}, which requires= does not name")
         # Undeclared values would only fail at the (possibly deferred) install: declare them up front.
         undeclared = [name for name in self.options if name not in self.choices]
         if undeclared:

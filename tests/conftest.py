@@ -1,7 +1,8 @@
 """Shared fixtures. The ``evidence`` fixture records, per shim and scenario, whether the
 bug reproduced without the shim and whether it was gone with it. When
 ``FTSHIMS_EVIDENCE_OUT`` names a file, the records of the whole session are written
-there as JSON; the pinned-version matrix merges them into ftshims/data/verified.json,
+there as JSON (only from tests that passed); ``python -m ftshims.matrix --record`` turns a
+complete matrix run into ftshims/data/verified.json,
 which COMPAT_MATRIX.md is generated from.
 """
 
@@ -30,20 +31,34 @@ except ImportError:  # hypothesis is a test dependency; the kernel fuzz tests sk
 
 
 class Evidence:
-    def record(self, outcome, scenario: str) -> None:
-        """Record a :class:`ftshims.probing.ProbeOutcome`."""
+    """One test's reproductions. They reach the evidence file only if the test passes
+    (see ``pytest_runtest_makereport``): a failed or skipped test proves nothing."""
+
+    def __init__(self, test_id: str):
+        self.test_id = test_id
+        self.pending = []
+
+    def record(self, outcome, scenario: str, expect_bug: bool = True) -> None:
+        """Record a :class:`ftshims.probing.ProbeOutcome` (``expect_bug``: whether the scenario shows the bug in range)."""
         self.record_raw(
-            outcome.shim_id, scenario, outcome.affected, outcome.without.bug, outcome.with_shim.bug, outcome.status.status
+            outcome.shim_id, scenario, outcome.affected, outcome.without.bug, outcome.with_shim.bug,
+            outcome.status.status, expect_bug=expect_bug, without=outcome.without.detail, with_shim=outcome.with_shim.detail,
         )
 
-    def record_raw(self, shim_id: str, scenario: str, affected: bool, bug_without: bool, bug_with: bool, status: str) -> None:
-        """Record a reproduction a test ran by hand (a real trainer path, say)."""
-        _RECORDS.setdefault(shim_id, {})[scenario] = {
+    def record_raw(self, shim_id: str, scenario: str, affected: bool, bug_without: bool, bug_with: bool, status: str,
+                   expect_bug: bool = True, without: str = "", with_shim: str = "") -> None:
+        """Record a reproduction a test ran by hand (a real trainer path, say); ``without``/``with_shim``
+        say what was measured each way."""
+        self.pending.append((shim_id, scenario, {
             "affected": bool(affected),
+            "expect_bug": bool(expect_bug),
             "bug_without_shim": bool(bug_without),
             "bug_with_shim": bool(bug_with),
             "status": status,
-        }
+            "test": self.test_id,
+            "without": str(without)[:300],
+            "with_shim": str(with_shim)[:300],
+        }))
 
 
 # Tests of ftshims' own machinery (patching, kernels, the lint, the matrix tooling, process
@@ -57,20 +72,32 @@ DEFAULT_STACK_ONLY = (
     "tests/test_flash_attn_upstream_rotary.py",
     "tests/test_lifecycle.py",
     "tests/test_matrix.py",
+    "tests/test_settings.py",
     "tests/test_compile.py::test_wrapper_effect_is_in_the_compiled_graph_and_gone_after_revert",
     "tests/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[llama-sdpa]",
     "tests/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[mistral-sdpa]",
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--noop-shim", action="append", default=[], metavar="ID",
+        help="mutation check: install shim ID as a no-op (tests/noop_shims.py); its tests must then fail",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--noop-shim"):
+        from noop_shims import make_noop
+
+        make_noop(config.getoption("--noop-shim"))
+
+
 def _on_a_matrix_stack() -> bool:
     """Whether this run is one of the pinned-version matrix's non-default stacks."""
-    import tomllib
+    from ftshims import datafiles
 
-    stack = os.environ.get("FTSHIMS_STACK")
-    stacks = tomllib.loads((Path(__file__).parents[1] / "ftshims" / "data" / "stacks.toml").read_text())["stacks"]
-    info = stacks.get(stack)
-    return info is not None and not info.get("default") and "session" not in info
+    return os.environ.get("FTSHIMS_STACK") in datafiles.matrix_stacks()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -85,8 +112,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def evidence():
-    return Evidence()
+def evidence(request):
+    recorder = Evidence(request.node.nodeid)
+    request.node.ftshims_evidence = recorder
+    return recorder
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Commit a test's evidence once its body has passed, after every assertion in it."""
+    outcome = yield
+    report = outcome.get_result()
+    recorder = getattr(item, "ftshims_evidence", None)
+    if recorder is not None and report.when == "call" and report.passed:
+        for shim_id, scenario, entry in recorder.pending:
+            _RECORDS.setdefault(shim_id, {})[scenario] = entry
 
 
 @pytest.fixture(autouse=True)

@@ -92,6 +92,7 @@ class FakeWorld:
             id=shim_id,
             title=f"fake {shim_id}",
             symptom="fake symptom",
+            why="a fake shim for the tests",
             requires=requires or {"packaging": ">=1"},
             fixed_in={},
             refs=("https://example.invalid/issue/1",),

@@ -21,7 +21,6 @@ def assert_bug_and_fix(shim_id, evidence, scenario: str, expect_bug: bool = True
         outcome = probing.compare(shim_id, options=options, **probe_kwargs)
     except ProbeUnsupported as exc:
         pytest.skip(f"scenario not expressible on this stack: {exc}")
-    evidence.record(outcome, scenario)
     if outcome.affected:
         assert outcome.status.status == APPLIED, outcome.status.reason
     else:
@@ -32,4 +31,5 @@ def assert_bug_and_fix(shim_id, evidence, scenario: str, expect_bug: bool = True
         f"({'in' if outcome.affected else 'outside'} range), saw: {outcome.without.detail}"
     )
     assert not outcome.with_shim.bug, f"bug still present with the shim: {outcome.with_shim.detail}"
+    evidence.record(outcome, scenario, expect_bug=expect_bug)  # after the assertions; kept only if the test passes
     return outcome

@@ -23,6 +23,7 @@ import pytest
 
 import ftshims
 from ftshims import _manager, registry
+from ftshims.versions import installed_versions
 from ftshims.doctor import cli, environment, flashattn, packages
 from ftshims.doctor import formats
 from ftshims.doctor import report as report_mod
@@ -63,6 +64,7 @@ def fake_shim(shim_id, *, requires=None, modules=("json",), kind="fix", install=
         id=shim_id,
         title=f"fake bug {shim_id}",
         symptom="fake symptom",
+        why="a fake shim for the tests",
         requires=requires or {"packaging": ">=0"},
         fixed_in={},
         refs=("https://example.invalid/issues/1",),
@@ -161,16 +163,25 @@ def test_report_shape_and_json_round_trip(full_report):
     assert full_report["timing"]["total_s"] > 0
 
 
+def _bug_can_happen(spec) -> bool:
+    """Inside the range, and with one of the distributions the bug needs (flash-attn for flash attention)."""
+    if not in_affected_range(spec.id)[0]:
+        return False
+    return not spec.needs_any or any(installed_versions(spec.needs_any).values())
+
+
 def test_every_shim_reported_with_its_range_and_trial_status(full_report):
     rows = {row["id"]: row for row in full_report["shims"]}
     assert list(rows) == list(registry.ids())
     imports = {row["module"]: row for row in full_report["trial"]["imports"]}
     for shim_id, row in rows.items():
-        affected, _ = in_affected_range(shim_id)
-        assert row["affected"] == affected, row
         spec = registry.get(shim_id).spec
+        affected = _bug_can_happen(spec)
+        assert row["affected"] == affected, row
         if not affected:
-            assert row["verdict"] == "not affected" and row["status"] in ("not needed", "disabled")
+            # out of range, or in range without what the bug needs (apply() still installs those)
+            assert row["verdict"] == "not affected" and row["evidence"] == "absent"
+            assert row["status"] in ("not needed", "disabled") or spec.needs_any
         elif spec.kind == "speed":
             assert row["verdict"] == "opt-in"
         elif all(imports.get(m, {"ok": True})["ok"] for m in spec.modules):
@@ -245,7 +256,7 @@ def test_exit_0_when_every_affected_bug_is_patched(capsys, only_shims):
     assert (row["affected"], row["status"], row["verdict"]) == (True, "applied", "patched")
     assert row["patched"] == ["SimpleNamespace.f"]
     assert data["summary"]["known_bugs"] == data["summary"]["patched_by_apply"] == ["fake_ok"]
-    assert "patches 1 of 1" in data["summary"]["message"]
+    assert "fixes 1 of 1" in data["summary"]["message"]
     assert holder.f is len  # the trial reverted
     assert not ftshims.status()["fake_ok"].active
 
@@ -282,7 +293,7 @@ def test_exit_1_when_a_known_bug_stays_unpatched(capsys, only_shims, monkeypatch
     assert data["ftshims"]["env"]["FTSHIMS_DISABLE"] == "fake_disabled"
     code_text, text = run_main(capsys, "--no-flash-attn")
     assert code_text == 1
-    assert "UNPATCHED" in text and "Exit code 1" in text and "patches 1 of 4" in text
+    assert "UNPATCHED" in text and "Exit code 1" in text and "fixes 1 of 4" in text
 
 
 def test_speed_shims_and_unaffected_shims_never_exit_1(capsys, only_shims, monkeypatch):
@@ -303,7 +314,7 @@ def test_real_stack_disabled_exits_1_exactly_when_a_fix_shim_is_affected(capsys,
     monkeypatch.setenv("FTSHIMS_DISABLE", "*")
     code, out = run_main(capsys, "--json", "--no-import", "--no-flash-attn")
     affected = [
-        s.id for s in registry.shims().values() if s.spec.kind == "fix" and in_affected_range(s.id)[0]
+        s.id for s in registry.shims().values() if s.spec.kind == "fix" and _bug_can_happen(s.spec)
     ]
     assert code == (1 if affected else 0)
     assert json.loads(out)["summary"]["unpatched"] == affected

@@ -37,6 +37,7 @@ SPEC = ShimSpec(
     id={shim_id!r},
     title="fake {shim_id}",
     symptom="fake",
+    why="a fake shim for the tests",
     requires={requires!r},
     fixed_in={{}},
     refs=("https://example.invalid/1",),

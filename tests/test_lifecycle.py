@@ -163,7 +163,7 @@ def test_declared_target_missing_or_changed(world):
 
 def test_declared_target_outside_its_when_range_is_not_checked(world):
     world.module()
-    world.add_shim("old_only", wrap_add, targets=[Target(world.target_module, "nope", when="<1")])
+    world.add_shim("old_only", wrap_add, targets=[Target(world.target_module, "nope", when="<1", distribution="packaging")])
     assert ftshims.apply()["old_only"].status == "applied"
 
 

@@ -70,7 +70,8 @@ def test_trl_sft_path_keeps_adapters_of_quantized_peft_model(evidence, tmp_path)
         frozen_with = run()
     trl_buggy = Version("0.20.0") <= Version(trl.__version__) < Version("0.23.1")
     affected, _ = in_affected_range(SHIM)
-    evidence.record_raw(SHIM, "trl prepare_peft_model(quantized PeftModel)", affected and trl_buggy,
-                        bool(frozen_without), bool(frozen_with), report[SHIM].status)
     assert bool(frozen_without) == (trl_buggy and affected), frozen_without
     assert not frozen_with
+    evidence.record_raw(SHIM, "trl prepare_peft_model(quantized PeftModel)", affected and trl_buggy,
+                        bool(frozen_without), bool(frozen_with), report[SHIM].status,
+                        without=f"{len(frozen_without)} LoRA parameters frozen", with_shim=f"{len(frozen_with)} frozen")

@@ -169,6 +169,8 @@ def to_text(report: Dict[str, Any]) -> str:
         for target in s.get("patched") or []:
             out.append(f"{pad}patches   {target}")
         out.append(f"{pad}verdict   {_VERDICT_TEXT.get(s['verdict'], s['verdict'])}")
+        if s.get("evidence"):
+            out.append(f"{pad}evidence  {s['evidence']} (what the shim delivers where this bug exists; see COMPAT_MATRIX.md)")
         for note in s.get("notes") or []:
             out.append(f"{pad}note      {note}")
         if s["refs"]:

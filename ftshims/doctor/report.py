@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, TextIO
 
+from .. import verdicts
 from . import flashattn
 from .environment import error_text, ftshims_info, platform_info, python_info, torch_info
 from .packages import BROKEN, collect_packages, package_names
@@ -369,7 +370,12 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
     shims = report["shims"]
     fix = [s for s in shims if s["kind"] != "speed"]
     known = [s["id"] for s in fix if s["affected"]]
+    # Only fixes count as fixes: a guard turns a crash into a clear error, a warning only warns.
+    fixes = [s["id"] for s in fix if s["affected"] and s.get("evidence", verdicts.FIXED) in verdicts.FIXES]
     patched = [s["id"] for s in fix if s["verdict"] in (PATCHED, PATCHED_ON_IMPORT)]
+    fixed_by_apply = [i for i in patched if i in fixes]
+    guarded = [s["id"] for s in fix if s["id"] in patched and s.get("evidence") == verdicts.GUARDED]
+    warned = [s["id"] for s in fix if s["id"] in patched and s.get("evidence") == verdicts.WARNED]
     unpatched = [s for s in fix if s["verdict"] == UNPATCHED]
     unverified = [s["id"] for s in fix if s["verdict"] == UNVERIFIED]
     opt_in = [s["id"] for s in shims if s["verdict"] == OPT_IN]
@@ -437,7 +443,10 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
     else:
         message = (
             f"{_plural(len(known), 'known bug')} {'affects' if len(known) == 1 else 'affect'} this stack; "
-            f"ftshims.apply() patches {len(patched)} of {len(known)}."
+            f"ftshims.apply() fixes {len(fixed_by_apply)} of {len(known)}"
+            + (f", guards against {len(guarded)} ({', '.join(guarded)})" if guarded else "")
+            + (f", only warns about {len(warned)} ({', '.join(warned)})" if warned else "")
+            + "."
         )
         if unpatched:
             message += f" Unpatched: {', '.join(s['id'] for s in unpatched)}."
@@ -471,6 +480,9 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
         "exit_code": EXIT_UNPATCHED if problems else EXIT_OK,
         "known_bugs": known,
         "patched_by_apply": patched,
+        "fixed_by_apply": fixed_by_apply,
+        "guarded_by_apply": guarded,
+        "warned_by_apply": warned,
         "unpatched": [s["id"] for s in unpatched],
         "unverified": unverified,
         "opt_in": opt_in,

@@ -28,7 +28,7 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional
 
-from .. import registry
+from .. import registry, verdicts
 from ..report import APPLIED, DEFERRED, DISABLED, FAILED, TARGET_MISSING
 from ..spec import SPEED
 from ..versions import explain_mismatch, installed_versions
@@ -138,6 +138,8 @@ def shim_rows(trial: Dict[str, Any], trial_imports: bool) -> List[Dict[str, Any]
         spec = shim.spec
         versions = installed_versions(spec.requires)
         mismatch = explain_mismatch(spec.requires, versions)
+        if mismatch is None and spec.needs_any and not any(installed_versions(spec.needs_any).values()):
+            mismatch = f"none of {', '.join(spec.needs_any)} is installed: the bug cannot happen without it"
         affected = mismatch is None
         entry = trial["statuses"].get(spec.id)
         status = entry.status if entry is not None else None
@@ -169,6 +171,8 @@ def shim_rows(trial: Dict[str, Any], trial_imports: bool) -> List[Dict[str, Any]
                 "patched": list(entry.patched) if entry is not None else [],
                 "notes": notes,
                 "verdict": _verdict(spec, affected, status, import_failed, trial_imports),
+                # what the evidence says this shim delivers where the bug exists (ftshims.verdicts)
+                "evidence": verdicts.delivered(spec) if affected else verdicts.ABSENT,
             }
         )
     rows += load_failure_rows()
@@ -199,6 +203,7 @@ def load_failure_rows() -> List[Dict[str, Any]]:
                 "patched": [],
                 "notes": [],
                 "verdict": UNPATCHED,
+                "evidence": verdicts.NOT_RUN,
             }
         )
     return rows

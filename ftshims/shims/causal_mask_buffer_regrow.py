@@ -37,6 +37,7 @@ SPEC = ShimSpec(
     title="Llama/Gemma 4.38.0–4.38.2 fail past twice max_position_embeddings (causal_mask buffer grows once)",
     symptom="IndexError or a size-mismatch RuntimeError inside the forward for inputs (or cached + new tokens) longer "
     "than 2 x max_position_embeddings on Llama/Gemma",
+    why="4.38.0-4.38.2 keep Llama/Gemma's causal mask in a buffer of max_position_embeddings rows that _update_causal_mask doubles once and never sizes for cached tokens: a long input or a generation past it fails inside the forward (IndexError or a size mismatch). The shim regrows the buffer to cover cached plus new tokens.",
     requires={"transformers": ">=4.38.0,<4.39"},
     fixed_in={"transformers": "4.39.0"},
     refs=(

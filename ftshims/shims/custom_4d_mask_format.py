@@ -45,6 +45,7 @@ SPEC = ShimSpec(
     symptom="a binary (0/1) or bool 4D attention mask is ignored or applied non-causally (>=4.44), raises "
     "'Custom 4D attention mask should be passed in inverted form' (4.41–4.43), or an additive one masks everything "
     "(4.37–4.41 on _prepare_4d_causal_attention_mask)",
+    why='A custom 4D mask comes as additive, binary or bool; each transformers version reads exactly one form per code path without checking, and misreads the others silently (a masked key attended, or every key masked). The shim converts a 4D mask to the form the installed version reads.',
     requires={"transformers": ">=4.37"},
     fixed_in={},
     refs=(

@@ -82,6 +82,7 @@ SPEC = ShimSpec(
     id="expand_mask_clamp",
     title="fp16 NaN from fully-masked (left-padding) attention rows",
     symptom="NaN logits/loss in fp16 with left padding (eager attention); `finfo.min + score` overflows to -inf",
+    why="With left padding, padding query rows are fully masked; in fp16 eager attention scores + finfo.min overflow to -inf, the row's softmax is NaN, and the NaN spreads to every position one layer later. The shim keeps fully masked rows finite.",
     requires={"transformers": ">=4.30"},
     fixed_in={},
     refs=(

@@ -52,6 +52,9 @@ SPEC = ShimSpec(
     title="Packed examples attend to each other under flash-attention with padding or several packed rows",
     symptom="flash_attention_2/3 with packed position_ids: a padded attention_mask, or a batch of more than one "
     "packed row (transformers >=4.53), runs each row as one sequence (cross-example attention)",
+    why="transformers' flash-attention path isolates packed examples only through the varlen kernel, which it reaches only in narrow cases; otherwise packed examples attend to each other. The shim routes packed batches (position_ids restarting at 0) to the varlen kernel.",
+    stand_in="a pure-PyTorch stand-in for flash-attn's varlen kernel (CPU)",
+    needs_any=("flash-attn", "flash-attn-3"),
     requires={"transformers": ">=4.44"},
     fixed_in={},
     refs=(

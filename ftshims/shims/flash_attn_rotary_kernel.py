@@ -44,6 +44,7 @@ SPEC = ShimSpec(
     id="flash_attn_rotary_kernel",
     title="flash-attn's rotary core on ftshims' compiled rotary kernel",
     symptom="flash-attn's Triton rotary kernel: GPU only, Triton JIT per configuration",
+    why="Speed opt-in: flash-attn's Triton rotary core routed to ftshims' compiled rotary kernel, which also runs on CPU, computes in fp32 and is registered for torch.compile.",
     requires={"flash-attn": ">=2.2,<2.9"},
     fixed_in={},
     refs=(

@@ -33,6 +33,7 @@ SPEC = ShimSpec(
     id="kbit_prep_keeps_adapters_trainable",
     title="prepare_model_for_kbit_training freezes LoRA adapters of a PeftModel",
     symptom="0 trainable parameters after prepare_model_for_kbit_training(peft_model) or SFTTrainer(quantized PeftModel)",
+    why="peft's prepare_model_for_kbit_training freezes every parameter; called on a PeftModel (as TRL 0.20-0.23.0 SFTTrainer does for a quantized PeftModel), it freezes the LoRA weights too and training updates nothing. The shim restores the adapters' requires_grad.",
     requires={"peft": ">=0.4"},
     fixed_in={},  # unfixed in peft; TRL stopped reaching it in 0.23.1 (PR #4081)
     refs=(

@@ -41,6 +41,7 @@ SPEC = ShimSpec(
     id="lora_reentrant_checkpointing",
     title="LoRA gets no gradient under reentrant gradient checkpointing",
     symptom="`element 0 of tensors does not require grad` or all-None LoRA grads after gradient_checkpointing_enable()",
+    why='Under reentrant gradient checkpointing a block builds a graph only if an input requires grad; with frozen embeddings the LoRA weights inside get no gradient (an error, or silently no training). The shim makes the checkpointed inputs require grad.',
     requires={"transformers": ">=4.30,<5.0"},
     fixed_in={"transformers": "5.0.0"},
     refs=(

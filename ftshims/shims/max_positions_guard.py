@@ -83,6 +83,8 @@ SPEC = ShimSpec(
     title="Inputs longer than max_position_embeddings: clear error / warning / truncation instead of a crash",
     symptom="`IndexError: index out of range in self` (CUDA: device-side assert) for GPT-2/OPT/BART..., silent RoPE "
     "extrapolation",
+    why="transformers does not check the sequence length against the model's position table: learned tables fail with an index error or read out of range, RoPE models run past their trained context silently. The shim checks the length of the tower input_ids pass through and raises a clear error (or warns/truncates, by policy).",
+    effect='guards',
     requires={"transformers": ">=4.30"},
     fixed_in={},
     refs=(

@@ -48,6 +48,7 @@ SPEC = ShimSpec(
     title="Packed examples attend to each other under eager/sdpa attention",
     symptom="packing with per-example position_ids trains on contaminated context: logits of a packed example differ "
     "from the example run alone (all-ones mask, default use_cache, or transformers <4.53.1)",
+    why='Under eager and sdpa attention packed examples stay apart only when transformers builds a block mask itself (4.53.1+, no 2D mask, no cache); otherwise they attend to each other. The shim builds the block mask from the packed position_ids.',
     requires={"transformers": ">=4.37"},
     fixed_in={},
     refs=(

@@ -41,6 +41,8 @@ SPEC = ShimSpec(
     title="TRL packing strategies that contaminate by design warn",
     symptom="ConstantLengthDataset / pack_examples / packing_strategy='wrapped' silently let packed examples attend "
     "to each other (no example boundaries are kept)",
+    why='Some TRL packers concatenate examples into fixed-length rows and keep no record of where each starts, so nothing can isolate them afterwards. The shim cannot fix that; it warns once, naming an isolating strategy.',
+    effect='warns',
     requires={"trl": ">=0.4"},
     fixed_in={},
     refs=(

@@ -55,6 +55,7 @@ SPEC = ShimSpec(
     title="RoPE inv_freq cast to bf16/fp16 by model.to(dtype) corrupts cos/sin",
     symptom="after model.to(torch.bfloat16) RoPE cos/sin below position 4096 are off by up to 2.0 (head_dim 128; 4.38+), "
     "or beyond the cached length (<=4.37); bf16 rounding alone would give 2e-3",
+    why="model.to(bfloat16) casts RoPE's inv_freq buffer, and from 4.38 cos/sin are recomputed from it on every forward: phases lose precision at every position (max |cos error| ~0.7 below 4096 with head_dim 128). The shim recomputes inv_freq in fp32 when the module is cast.",
     requires={"transformers": ">=4.30"},
     fixed_in={},
     refs=(

@@ -38,6 +38,7 @@ SPEC = ShimSpec(
     title="TRL padding-free/packed batches lose example boundaries without flash attention",
     symptom="SFTTrainer(packing=True) or padding_free=True with eager/sdpa: the collated row has an all-ones mask and "
     "no position_ids, so packed examples attend to each other and labels cross example boundaries",
+    why='TRL 0.19-0.23.0 padding-free collators (SFTTrainer packing with eager/sdpa) flatten examples into one row with no position_ids, so examples attend to each other. The shim emits per-example position_ids, which the packing shims then isolate.',
     requires={"trl": ">=0.19,<0.23.1"},
     fixed_in={"trl": "0.23.1"},
     refs=(
