@@ -14,7 +14,7 @@ import contextlib
 
 __version__ = "0.1.0"
 
-__all__ = ["apply", "revert", "applied", "status", "ShimError", "__version__"]
+__all__ = ["apply", "revert", "applied", "status", "summary", "ShimError", "__version__"]
 
 
 def apply(only=None, exclude=None, strict=False, include=None, options=None, propagate=False):
@@ -61,6 +61,15 @@ def status():
     from . import _manager
 
     return _manager.status()
+
+
+def summary() -> str:
+    """One line: which shims are applied and what each did so far, e.g.
+    ``ftshims: 8 shims applied; acted: packing_block_mask 12 block masks built; rope_inv_freq_fp32 ...``.
+    ``FTSHIMS_SUMMARY=1`` prints it at exit (on rank 0)."""
+    from . import _manager
+
+    return _manager.summary_line()
 
 
 @contextlib.contextmanager

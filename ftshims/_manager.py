@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set
 
 from . import registry, settings
+from ._util import actions_of, forget_actions
 from .patching import LOCK, Patcher, is_loaded, on_import, require_params, resolve, settle, wait_for_inflight_imports
 from .report import (
     APPLIED,
@@ -146,6 +147,7 @@ def _install(shim, record: _Record) -> None:
         return
     record.status = APPLIED
     record.reason = ", ".join(f"{k} {versions[k]}" for k in shim.spec.requires)
+    forget_actions(shim.id)  # counts start with this installation
     _info(shim.id, APPLIED, record.reason)
 
 
@@ -190,6 +192,7 @@ def apply(only=None, exclude=None, strict: bool = False, include=None, options=N
     """Apply every fix shim whose target versions are installed. See ``ftshims.apply``."""
     only_set, exclude_set, include_set, options = settings.check_arguments(only, exclude, include, options)
     disabled = settings.parse_disable()
+    _print_summary_at_exit()  # checks FTSHIMS_SUMMARY, before anything is installed
     waited = set()
     with LOCK, cached():
         settle()  # deferred installs whose module finished importing without telling us (a race)
@@ -261,11 +264,41 @@ def status() -> Report:
                     waiting=list(record.patcher.waiting) if record.patcher else [],
                     notes=list(record.patcher.notes) if record.patcher else [],
                     evidence=_evidence(shim.spec, record.status),
+                    actions=actions_of(shim.id),
                 )
             )
         for shim_id, reason in registry.load_errors().items():
             entries.append(ShimStatus(id=shim_id, kind="fix", status=FAILED, reason=reason))
         return Report(entries)
+
+
+def summary_line() -> str:
+    report = status()
+    active = [entry for entry in report if entry.active]
+    did = [
+        f"{entry.id} " + ", ".join(f"{n} {action}" for action, n in sorted(entry.actions.items()))
+        for entry in active
+        if entry.actions
+    ]
+    idle = [entry.id for entry in active if not entry.actions]
+    text = f"ftshims: {len(active)} shim{'s' if len(active) != 1 else ''} applied"
+    text += "; acted: " + "; ".join(did) if did else "; none has acted yet"
+    if idle and did:
+        text += f"; not needed so far: {', '.join(idle)}"
+    return text
+
+
+_SUMMARY_AT_EXIT = []
+
+
+def _print_summary_at_exit() -> None:
+    """With FTSHIMS_SUMMARY on, print summary_line() once at exit, from rank 0 only (torchrun/accelerate set RANK)."""
+    if _SUMMARY_AT_EXIT or not settings.parse_summary() or os.environ.get("RANK", "0") != "0":
+        return
+    import atexit
+
+    _SUMMARY_AT_EXIT.append(True)
+    atexit.register(lambda: print(summary_line(), file=sys.stderr))
 
 
 def _evidence(spec, status: str) -> str:

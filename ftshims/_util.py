@@ -51,3 +51,27 @@ def user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+# What each shim did, since it was last installed: {(shim id, action): times}. Shims call
+# acted() where they change something (a mask built, a buffer recomputed, an input refused);
+# status() reports the counts, and FTSHIMS_SUMMARY prints them at exit.
+ACTIONS: dict = {}
+
+
+def acted(shim_id: str, action: str, times: int = 1) -> None:
+    """Count that ``shim_id`` did ``action`` (a plural noun: "block masks built"). An increment;
+    nothing inside a ``torch.compile`` trace (a graph must not carry Python side effects)."""
+    if _IS_COMPILING is not None and _IS_COMPILING():
+        return
+    key = (shim_id, action)
+    ACTIONS[key] = ACTIONS.get(key, 0) + times
+
+
+def actions_of(shim_id: str) -> dict:
+    return {action: n for (owner, action), n in list(ACTIONS.items()) if owner == shim_id}
+
+
+def forget_actions(shim_id: str) -> None:
+    for key in [key for key in list(ACTIONS) if key[0] == shim_id]:
+        ACTIONS.pop(key, None)

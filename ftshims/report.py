@@ -31,6 +31,8 @@ class ShimStatus:
     # (ftshims.verdicts): fixed / fixed on a stand-in / guarded / warned / same results while
     # active, absent when the installed versions are outside its range, else not run.
     evidence: str = "not run"
+    # How often it acted since installed: {"block masks built": 12} (empty: installed, never needed)
+    actions: Dict[str, int] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:

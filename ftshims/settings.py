@@ -36,6 +36,7 @@ AUTO_KEYS = ("only", "exclude", "include", "options", "strict")
 AUTO_OFF = ("", "0", "false", "no", "off")
 AUTO_ON = ("1", "true", "yes", "on")
 EVERY_SHIM = ("*", "all")
+SUMMARY_ENV = "FTSHIMS_SUMMARY"
 
 
 def invalid(setting: str, given: Any, problem: str, allowed: Sequence[Any]) -> ValueError:
@@ -204,6 +205,17 @@ def parse_auto(raw: Optional[str]) -> Optional[Dict[str, Any]]:
     return arguments
 
 
+def parse_summary(raw: Optional[str] = None) -> bool:
+    """``FTSHIMS_SUMMARY``: print ``ftshims.summary()`` at exit (rank 0): 0/false/no/off or empty, 1/true/yes/on."""
+    raw = os.environ.get(SUMMARY_ENV, "") if raw is None else raw
+    text = raw.strip().lower()
+    if text in AUTO_OFF:
+        return False
+    if text in AUTO_ON:
+        return True
+    raise invalid(f"{SUMMARY_ENV}={raw!r}", text, "expected 0/false/no/off or 1/true/yes/on", AUTO_OFF[1:] + AUTO_ON)
+
+
 # ---------------------------------------------------------------------------
 # the doctor's view
 
@@ -224,6 +236,7 @@ def environment_problems(environ: Optional[Mapping[str, str]] = None) -> List[Di
             problems.append({"variable": variable, "message": " ".join(str(exc).split())})
 
     check(DISABLE_ENV, lambda: parse_disable(environ.get(DISABLE_ENV, "")))
+    check(SUMMARY_ENV, lambda: parse_summary(environ.get(SUMMARY_ENV, "")))
     if AUTO_ENV in environ:
         check(AUTO_ENV, lambda: check_arguments(**{k: v for k, v in (parse_auto(environ[AUTO_ENV]) or {}).items() if k != "strict"}))
     seen = set()

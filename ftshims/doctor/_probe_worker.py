@@ -82,8 +82,39 @@ def _observation(obs) -> dict:
     return {"bug": bool(obs.bug), "detail": str(obs.detail)}
 
 
+ENVIRONMENT = "environment"  # the index of the doctor's own checks (torch facts and the apply trial), run here too
+
+
+def run_environment(task: dict) -> dict:
+    """The doctor's torch section and shim trial, computed in a forked child that already has the imports.
+
+    Without this the doctor imports torch, transformers, peft and trl itself while this server imports
+    them too: twice the CPU for the same modules, which on a 2-core machine with one busy core is most
+    of the run. The child is thrown away afterwards, so the trial cannot leave anything behind.
+    """
+    from ftshims.doctor.environment import torch_info
+    from ftshims.doctor.shims import run_trial
+
+    answer = {"event": "result", "index": task.get("index"), "status": None}
+    start = time.perf_counter()
+    try:
+        torch = torch_info()
+        trial = run_trial(bool(task.get("trial_imports", True)))
+        statuses = {
+            shim_id: {"status": entry.status, "reason": entry.reason, "patched": list(entry.patched or ())}
+            for shim_id, entry in trial["statuses"].items()
+        }
+        answer.update(status="ok", torch=torch, trial=dict(trial, statuses=statuses))
+    except Exception as exc:  # the doctor then runs its own checks
+        answer.update(status="error", error=_error_text(exc), output_tail=traceback.format_exc(limit=6))
+    answer["seconds"] = round(time.perf_counter() - start, 3)
+    return answer
+
+
 def run_one(task: dict) -> dict:
     """Run one probe and return its answer; never raises (except KeyboardInterrupt/SystemExit)."""
+    if task.get("index") == ENVIRONMENT:
+        return run_environment(task)
     from ftshims import probing
     from ftshims.spec import ProbeUnsupported
 

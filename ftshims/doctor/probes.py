@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from ..spec import SPEED
+from ._probe_worker import ENVIRONMENT
 
 DEFAULT_TIMEOUT_S = 30.0  # per probe, from the moment it is sent to a ready worker
 STARTUP_TIMEOUT_S = 120.0  # a worker importing torch and transformers
@@ -274,8 +275,10 @@ class ProbeRun:
         server_factory: Optional[Callable[[], Server]] = None,
         preload: Optional[List[str]] = None,
         include_speed: bool = False,
+        environment: Optional[bool] = None,
     ):
         from .. import registry
+        from ._probe_worker import fork_supported
 
         self.tasks = list(tasks)
         self.timeout_s = float(timeout_s)
@@ -290,6 +293,13 @@ class ProbeRun:
         self.preloaded: List[str] = []
         self.preload_errors: List[str] = []
         self.started = time.perf_counter()
+        # environment (the trial's trial_imports): the server also computes the doctor's torch section and
+        # shim trial, in a forked child (fork mode only: inline, the trial would run in the server itself).
+        self._environment_request = environment if (fork and fork_supported()) else None
+        self._environment: Optional[Dict[str, Any]] = None
+        self._environment_done = threading.Event()
+        if self._environment_request is None:
+            self._environment_done.set()
         env = child_env()
         self._factory = server_factory or (lambda: Server(env))
         self._lock = threading.Lock()
@@ -351,6 +361,7 @@ class ProbeRun:
             for task in self._runnable:
                 self._record(task, failed_row(task, NOT_RUN, f"the doctor's probe supervisor failed: {type(exc).__name__}: {exc}", None))
         finally:
+            self._environment_done.set()
             server, self._server = self._server, None
             if server is not None:
                 server.close()
@@ -366,9 +377,13 @@ class ProbeRun:
             try:
                 server = self._factory()
                 self._server = server
+                # The environment task goes first (the doctor waits for it); only to the first server.
+                env_task = []
+                if not self._environment_done.is_set():
+                    env_task = [{"index": ENVIRONMENT, "trial_imports": bool(self._environment_request)}]
                 server.send(
                     {
-                        "tasks": [
+                        "tasks": env_task + [
                             {"index": t.index, "shim_id": t.shim_id, "scenario": t.scenario, "kwargs": t.kwargs}
                             for t in remaining.values()
                         ],
@@ -392,6 +407,7 @@ class ProbeRun:
             if reason is None and hello.get("event") != "ready":
                 reason = f"unexpected first message from the probe server: {hello}"
             if reason is not None:
+                self._environment_done.set()
                 tail = server.stderr_tail() if server is not None else ""
                 if server is not None:
                     server.close()
@@ -414,6 +430,7 @@ class ProbeRun:
                 self.preloaded = list(hello.get("preloaded") or [])
                 self.preload_errors = list(hello.get("preload_errors") or [])
             progressed = self._drain(server, remaining)
+            self._environment_done.set()  # answered or not: the doctor stops waiting and checks for itself
             server.close()
             self._server = None
             failures = 0 if progressed else failures + 1
@@ -428,7 +445,7 @@ class ProbeRun:
         progressed = False
         limit = self.timeout_s + (GRACE_S if self.mode == "fork" else 0.0)
         idle_since = time.monotonic()
-        while remaining:
+        while remaining or not self._environment_done.is_set():
             now = time.monotonic()
             deadlines = [start + limit for start in inflight.values()] or [idle_since + limit]
             try:
@@ -438,7 +455,10 @@ class ProbeRun:
             except WorkerGone:
                 return self._fail_inflight(server, remaining, inflight, CRASHED) or progressed
             event = message.get("event")
-            if event == "start" and message.get("index") in remaining:
+            if event == "result" and message.get("index") == ENVIRONMENT:
+                self._environment = message if message.get("status") == OK else None
+                self._environment_done.set()
+            elif event == "start" and message.get("index") in remaining:
                 inflight[message["index"]] = time.monotonic()
             elif event == "result" and message.get("index") in remaining:
                 inflight.pop(message["index"], None)
@@ -464,6 +484,13 @@ class ProbeRun:
         return bool(inflight)
 
     # results ---------------------------------------------------------------------------
+
+    def environment(self, timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
+        """The server's ``{"torch": ..., "trial": ...}`` for the doctor, or None (not asked, failed, or
+        the server did not start): the doctor then computes them itself."""
+        if not self._environment_done.wait(timeout):
+            return None
+        return self._environment
 
     def results(self) -> List[Dict[str, Any]]:
         self._thread.join()
@@ -637,10 +664,17 @@ def run(
     tasks: Optional[List[Task]] = None,
     fork: bool = True,
     include_speed: bool = False,
+    environment: Optional[bool] = None,
 ) -> ProbeRun:
-    """Start the probes (they run in the background); ``.results()`` collects them."""
+    """Start the probes (they run in the background); ``.results()`` collects them.
+
+    ``environment`` (not None: the doctor's ``trial_imports``) asks the server for the doctor's torch
+    section and shim trial too; :meth:`ProbeRun.environment` returns them."""
     tasks = tasks if tasks is not None else tasks_from_registry()
-    return ProbeRun(tasks, timeout_s=timeout_s, jobs=jobs, progress=progress, fork=fork, include_speed=include_speed)
+    return ProbeRun(
+        tasks, timeout_s=timeout_s, jobs=jobs, progress=progress, fork=fork, include_speed=include_speed,
+        environment=environment,
+    )
 
 
 __all__ = [

@@ -26,7 +26,17 @@ from .. import verdicts
 from . import flashattn
 from .environment import error_text, ftshims_info, platform_info, python_info, torch_info
 from .packages import BROKEN, collect_packages, package_names
-from .shims import OPT_IN, PATCHED, PATCHED_ON_IMPORT, UNPATCHED, UNVERIFIED, gating_only_rows, run_trial, shim_rows
+from .shims import (
+    OPT_IN,
+    PATCHED,
+    PATCHED_ON_IMPORT,
+    UNPATCHED,
+    UNVERIFIED,
+    gating_only_rows,
+    run_trial,
+    served_trial,
+    shim_rows,
+)
 
 SCHEMA = "ftshims-doctor"
 SCHEMA_VERSION = 1
@@ -154,14 +164,23 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
         env = report["environment"]
         env["python"] = steps.run("environment", python_info, {})
         env["platform"] = steps.run("environment", platform_info, {})
-        env["torch"] = steps.run("environment", torch_info, env["torch"])
+        # With --probe the probe server computes the torch section and the trial in a forked child: it has
+        # imported torch/transformers/peft/trl already, so the doctor need not import them a second time.
+        served = steps.run("probe_server", lambda: probe_run.environment(_SERVER_WAIT_S)) if probe_run is not None else None
+        if served:
+            env["torch"] = served["torch"]
+        else:
+            env["torch"] = steps.run("environment", torch_info, env["torch"])
 
         if report["ftshims"].get("env_errors"):
             # apply() rejects these settings and applies nothing; a trial would only repeat its ValueError.
             report["trial"]["mode"] = "skipped: an FTSHIMS_* setting is invalid (see problems); statuses from version gating only"
             report["shims"] = steps.run("shims", _gating_despite_bad_settings, [])
         else:
-            trial = steps.run("trial", lambda: run_trial(options.trial_imports))
+            if served:
+                trial = served_trial(served["trial"])
+            else:
+                trial = steps.run("trial", lambda: run_trial(options.trial_imports))
             if trial is not None:
                 report["trial"] = {"mode": trial["mode"], "imports": trial["imports"], "seconds": trial["seconds"]}
                 report["shims"] = steps.run("shims", lambda: shim_rows(trial, options.trial_imports), [])
@@ -209,8 +228,17 @@ def _start_probes(options: Options):
     from . import probes
 
     return probes.run(
-        timeout_s=options.probe_timeout, jobs=options.probe_jobs, progress=options.progress, include_speed=options.probe_all
+        timeout_s=options.probe_timeout,
+        jobs=options.probe_jobs,
+        progress=options.progress,
+        include_speed=options.probe_all,
+        environment=options.trial_imports,
     )
+
+
+# How long the doctor waits for the probe server's torch section and trial before checking for itself
+# (the server's own start-up limit plus one probe's; the server reports failures sooner).
+_SERVER_WAIT_S = 180.0
 
 
 def _collect_probes(run, report: Dict[str, Any]) -> None:

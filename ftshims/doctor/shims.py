@@ -221,6 +221,12 @@ def gating_only_rows(disabled=None) -> List[Dict[str, Any]]:
 
 
 class _Gated:
-    def __init__(self, status: str, reason: str):
-        self.status, self.reason, self.patched = status, reason, []
+    def __init__(self, status: str, reason: str, patched=()):
+        self.status, self.reason, self.patched = status, reason, list(patched)
+
+
+def served_trial(trial: Dict[str, Any]) -> Dict[str, Any]:
+    """:func:`run_trial`'s result as the probe server sends it (statuses as plain dicts) -> its usual form."""
+    statuses = {shim_id: _Gated(s["status"], s["reason"], s.get("patched") or ()) for shim_id, s in trial["statuses"].items()}
+    return dict(trial, statuses=statuses, mode=f"{trial['mode']}, in a child of the probe server")
 

@@ -29,7 +29,7 @@ trace): compiled static-cache generation sizes the buffer itself
 
 from __future__ import annotations
 
-from .._util import compiling
+from .._util import acted, compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -89,6 +89,7 @@ def regrow(module, total: int) -> bool:
         size *= 2
     grown = torch.triu(torch.ones((size, size), dtype=buffer.dtype, device=buffer.device), diagonal=1)
     module.register_buffer("causal_mask", grown, persistent=False)
+    acted(SPEC.id, "causal_mask buffers regrown")
     return True
 
 

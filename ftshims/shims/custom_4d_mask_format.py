@@ -35,7 +35,7 @@ form). Below 4.37 no custom 4D mask is accepted at all. Eager and sdpa only.
 
 from __future__ import annotations
 
-from .._util import compiling
+from .._util import acted, compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from . import _packing
 
@@ -96,6 +96,7 @@ def _forward(wrapped, instance, call, family):
     allowed = _packing.allowed_from(mask, form)
     converted = _packing.to_form(allowed, _packing.ADDITIVE, _packing.embed_dtype(instance, call))
     call["attention_mask"] = converted
+    acted(SPEC.id, "4D masks converted")
     with _packing.handing_down(converted):
         return wrapped(**call)
 

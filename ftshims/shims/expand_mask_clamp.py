@@ -76,6 +76,7 @@ import os
 import sys
 from typing import Any, Dict, Iterator
 
+from .._util import acted
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -142,9 +143,11 @@ def repair_mask(mask: Any, dtype: Any = None) -> Any:
     if mask.dtype == torch.bool:
         if dtype != torch.float16:
             return mask
+        acted(SPEC.id, "fp16 masks made NaN-safe")
         return mask | ~mask.any(dim=-1, keepdim=True)
     if mask.dtype != torch.float16:
         return mask
+    acted(SPEC.id, "fp16 masks made NaN-safe")
     lowest = torch.finfo(torch.float16).min
     # An out-of-place copy (the mask may be the caller's own 4D tensor); -inf (4.31-4.35 sums) becomes finfo.min.
     repaired = mask.clamp(min=lowest)

@@ -43,7 +43,7 @@ unless the model's attention implementation is a flash one.
 
 from __future__ import annotations
 
-from .._util import compiling
+from .._util import acted, compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from . import _packing
 
@@ -118,6 +118,7 @@ def _forward(wrapped, instance, call, family):
     segment_ids, real = found
     call.pop("attention_mask", None)
     call["use_cache"] = False
+    acted(SPEC.id, "packed batches sent to the varlen kernel")
     if family.extra_kwargs and _flash_takes_varlen_kwargs():
         call.update(varlen_kwargs(segment_ids, real))
     else:  # 4.44–4.52: transformers derives cu_seqlens from position_ids == 0 over the flattened batch

@@ -71,7 +71,7 @@ import logging
 import sys
 import types
 
-from .._util import compiling
+from .._util import acted, compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target, TargetMissing
 
 CORE_PARAMS = ("x", "cos", "sin", "seqlen_offsets", "cu_seqlens", "max_seqlen", "interleaved", "inplace", "conjugate")
@@ -209,6 +209,7 @@ def make_core_wrapper(original, upcast: bool):
             and x.dtype in (torch.bfloat16, torch.float16)
         ):
             return wrapped(*args, **kwargs)
+        acted(SPEC.id, "bf16/fp16 rotations upcast around the equal-dtype assert")
         # The released code would assert here. Run it on an fp32 copy of x, in place (the copy is
         # ours), and round once: the arithmetic of 2.8's kernel, which loads bf16 x as fp32.
         bound = signature.bind(*args, **kwargs)
@@ -246,6 +247,7 @@ def _grow_for_tensor_offsets(wrapped, instance, args, kwargs):
         table = instance._cos_cached
         if table is None or table.shape[0] < end:
             instance._update_cos_sin_cache(end, device=qkv.device, dtype=qkv.dtype)
+            acted(SPEC.id, "cos/sin tables grown for tensor offsets")
     return wrapped(*args, **kwargs)
 
 

@@ -37,6 +37,7 @@ import logging
 import sys
 
 from ..kernels.rotary import BACKEND_ENV, BACKENDS
+from .._util import acted
 from ..spec import SPEED, Choice, Observation, ShimSpec, Target, TargetMissing
 from .flash_attn_rotary import CORE_PARAMS, _device, cpu_triton, wrap_copies
 
@@ -90,6 +91,7 @@ def rotary_core(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None,
 
 
 def _core_wrapper(wrapped, instance, args, kwargs):
+    acted(SPEC.id, "rotations on ftshims' kernel")
     return rotary_core(*args, **kwargs)  # same parameters, order and defaults as the released function (checked at install)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from .._util import acted
 from ..spec import Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -64,6 +65,7 @@ def _prepare_model_for_kbit_training(wrapped, instance, args, kwargs):
     for p in refrozen:
         p.requires_grad_(True)
     if refrozen:
+        acted(SPEC.id, "adapter parameters made trainable again", len(refrozen))
         log.warning(
             "prepare_model_for_kbit_training was called on a model that already has adapters and froze "
             "them; %d adapter parameter(s) were made trainable again. Prepare the base model before get_peft_model.",

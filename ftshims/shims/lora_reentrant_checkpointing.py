@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from .._util import acted
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -91,9 +92,11 @@ def _gradient_checkpointing_enable(wrapped, instance, args, kwargs):
         parameters = dict(model.named_parameters())
         for name in changed:
             parameters[name].requires_grad_(flags[name])
+        acted(SPEC.id, "requires_grad flags restored", len(changed))
         log.warning("gradient_checkpointing_enable changed requires_grad of %d parameter(s); restored", len(changed))
     if _use_reentrant(args, kwargs) and _needs_input_grads(model):
         model.enable_input_require_grads()
+        acted(SPEC.id, "input-grad hooks installed")
     return result
 
 

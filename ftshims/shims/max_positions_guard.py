@@ -72,7 +72,7 @@ import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from .._util import compiling, user_stacklevel
+from .._util import acted, compiling, user_stacklevel
 from ..spec import Choice, Observation, ProbeUnsupported, ShimSpec, Target
 
 ENV_POLICY = "FTSHIMS_MAX_POSITIONS_POLICY"
@@ -467,6 +467,7 @@ class _Guard:
             if past + new > side.limit:
                 need = _needed(call, profile, side, names, new, past)
                 if need > side.limit:
+                    acted(SPEC.id, f"inputs over the position limit ({policy})")
                     if policy == "error":
                         raise ValueError(_message(profile, side, need, new, past, self.policy))
                     if policy == "truncate":

@@ -39,7 +39,7 @@ missing is skipped (recorded in the shim's notes).
 
 from __future__ import annotations
 
-from .._util import compiling
+from .._util import acted, compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from . import _packing
 
@@ -106,6 +106,7 @@ def _forward(wrapped, instance, call, family):
     block = _packing.to_form(allowed, _packing.ADDITIVE, _packing.embed_dtype(instance, call))
     call["attention_mask"] = block
     call["use_cache"] = False
+    acted(SPEC.id, "block masks built")
     with _packing.handing_down(block):
         return wrapped(**call)
 

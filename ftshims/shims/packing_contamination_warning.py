@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
-from .._util import user_stacklevel
+from .._util import acted, user_stacklevel
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -89,6 +89,7 @@ def _warner():
     warned = set()
 
     def warn(what: str) -> None:
+        acted(SPEC.id, "contaminating packers seen")
         if what in warned:
             return
         warned.add(what)

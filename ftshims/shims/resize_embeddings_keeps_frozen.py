@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 
+from .._util import acted
 from ..spec import Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -70,6 +71,7 @@ def _resize_token_embeddings(wrapped, instance, args, kwargs):
             flag = before.get((which, pname))
             if flag is not None and p.requires_grad != flag:
                 p.requires_grad_(flag)
+                acted(SPEC.id, "requires_grad flags kept after resize")
     return result
 
 

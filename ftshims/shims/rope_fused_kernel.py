@@ -40,7 +40,7 @@ import logging
 import sys
 import threading
 
-from .._util import compiling
+from .._util import acted, compiling
 from ..kernels.rotary import BACKEND_ENV, BACKENDS
 from ..spec import SPEED, Choice, Observation, ShimSpec, Target
 
@@ -75,9 +75,13 @@ STATS = {"fused": 0, "fallback": 0}
 _STATS_LOCK = threading.Lock()
 
 
+_ACTION = {"fused": "rotations on the fused kernel", "fallback": "calls left to transformers' RoPE"}
+
+
 def _count(key: str) -> None:
     with _STATS_LOCK:
         STATS[key] += 1
+    acted(SPEC.id, _ACTION[key])
 
 
 # ---------------------------------------------------------------------------

@@ -47,7 +47,7 @@ import logging
 import os
 import sys
 
-from .._util import compiling
+from .._util import acted, compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -189,6 +189,7 @@ def restore_fp32_inv_freq(module) -> list:
             continue
         module._buffers[name] = fixed
         restored = True
+        acted(SPEC.id, "inv_freq buffers recomputed in fp32")
     if restored and "cos_cached" in module._buffers and isinstance(getattr(module, "max_seq_len_cached", None), int):
         # transformers <= 4.37 cache cos/sin tables; one regrown from the cast inv_freq is corrupt.
         # A zero length makes the next forward rebuild it from the restored fp32 inv_freq.

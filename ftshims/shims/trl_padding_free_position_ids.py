@@ -29,9 +29,13 @@ Applies to trl >=0.19,<0.23.1. Fallback: a collator whose class lacks
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 
+from .._util import acted, warn_once
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+
+log = logging.getLogger("ftshims")
 
 SPEC = ShimSpec(
     id="trl_padding_free_position_ids",
@@ -68,7 +72,27 @@ def _torch_call(wrapped, instance, args, kwargs):
     labels = output.get("labels")
     if labels is not None and labels.shape == position_ids.shape:
         labels[position_ids == 0] = -100
+    if not instance.return_position_ids:
+        acted(SPEC.id, "padding-free batches given position_ids")
+        _say_once_what_trl_warns_about()
     return output
+
+
+_SAID = set()
+
+
+def _say_once_what_trl_warns_about() -> None:
+    """TRL warns that padding-free batches without flash attention cross-contaminate: say once that
+    here they do not (the warning stays: it is TRL's; this line is ours)."""
+    from .. import _manager
+
+    isolating = _manager.status()["packing_block_mask"].active
+    warn_once(_SAID, "trl", lambda: log.warning(
+        "trl_padding_free_position_ids: padding-free batches now carry per-example position_ids%s, so the "
+        "cross-contamination TRL's padding-free warning describes for non-flash attention does not happen here",
+        " and packing_block_mask isolates the examples under eager/sdpa" if isolating else
+        " (packing_block_mask is not active: under eager/sdpa the examples still attend to each other)",
+    ))
 
 
 def install(patcher, options) -> None:

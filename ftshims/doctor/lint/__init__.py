@@ -94,7 +94,7 @@ class Context:
                 try:
                     self.ds_path, self.ds = f"{self.train.path} (inline `deepspeed`)", json.loads(value)
                 except ValueError as exc:
-                    self.loader.unreadable(self.train.path, f"its `deepspeed` value is not valid JSON ({exc})", "training config")
+                    self.loader.invalid(self.train.path, "the `deepspeed` value of training config", "JSON", exc, value)
             elif isinstance(value, str):
                 self.ds_path = resolve_relative(value, self.train.path)
                 self.ds = self.loader.mapping(

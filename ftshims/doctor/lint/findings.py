@@ -1,4 +1,9 @@
-"""The lint's rules (id, default severity, what it checks, reference) and its findings."""
+"""The lint's rules (id, default severity, what it checks, reference, when it fires) and its findings.
+
+``python -m ftshims.doctor --explain RULE`` prints a rule from this module, so an installed package can
+explain its findings without the repository's docs; docs/doctor-json.md's rule table is the same text
+(tests/test_doctor_lint.py keeps the two equal).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ WARNING = "warning"
 INFO = "info"
 SEVERITIES = (ERROR, WARNING, INFO)
 
-DOCS = "docs/doctor-json.md#lint-rules"
+EXPLAIN = "python -m ftshims.doctor --explain {rule}"
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,8 @@ class Rule:
 
 _RULES = (
     # inputs
-    Rule("file-unreadable", ERROR, "a given file or directory is missing, unreadable or not valid JSON/YAML", DOCS),
+    Rule("file-unreadable", ERROR, "a given file or directory is missing or cannot be read", None),
+    Rule("config-invalid", ERROR, "a given JSON/YAML file does not parse, or its top level is not a mapping", None),
     Rule("yaml-unsupported", INFO, "a YAML file was given but PyYAML is not installed, so it was not read", "https://pypi.org/project/PyYAML/"),
     Rule("model-config-invalid", ERROR, "config.json has no model_type, or the installed transformers cannot build the model from it", "https://huggingface.co/docs/transformers/main_classes/configuration"),
     Rule("train-config-unknown-key", WARNING, "a training-config key is not an argument of the trainer it is for (installed transformers/TRL, or LLaMA-Factory 0.9.5)", "https://huggingface.co/docs/transformers/main_classes/trainer#transformers.TrainingArguments"),
@@ -51,10 +57,55 @@ _RULES = (
     Rule("packing-contamination", WARNING, "packing whose attention implementation / versions let packed examples attend to each other", "https://github.com/huggingface/transformers/pull/39194"),
     Rule("gc-peft-reentrant", ERROR, "gradient checkpointing + PEFT on a stack where reentrant checkpointing leaves LoRA without gradients and the shim is not applied", "https://github.com/huggingface/peft/issues/742"),
     # the lint itself
-    Rule("lint-rule-failed", WARNING, "a lint rule raised (a doctor bug or an input nobody foresaw); the other rules still ran", DOCS),
+    Rule("lint-rule-failed", WARNING, "a lint rule raised (a doctor bug or an input nobody foresaw); the other rules still ran", None),
 )
 
 RULES: Dict[str, Rule] = {rule.id: rule for rule in _RULES}
+
+# When each rule fires, in full (the "fires when" column of docs/doctor-json.md's rule table).
+FIRES_WHEN: Dict[str, str] = {
+    "file-unreadable": "a given file or directory is missing or cannot be read (a DeepSpeed file named by the training config and not found: warning)",
+    "config-invalid": "a given JSON/YAML file does not parse (the message gives the line and column, the fix the syntax rule it breaks), or its top level is not a mapping",
+    "yaml-unsupported": "a YAML file was given but PyYAML is not installed (it is not read)",
+    "model-config-invalid": "`config.json` has no `model_type`, the installed transformers does not know it (custom code is never run), or cannot build it",
+    "train-config-unknown-key": "a training-config key is not an argument of its trainer: the installed transformers' `Seq2SeqTrainingArguments` (plus TRL `SFTConfig`/`ModelConfig`/`ScriptArguments` when TRL is installed), or LLaMA-Factory 0.9.5's arguments (LLaMA-Factory then stops: `allow_extra_keys=False`)",
+    "adapter-config-unknown-key": "an `adapter_config.json` key is not a field of the installed PEFT's config class (saved by another PEFT version)",
+    "lora-target-no-match": "`target_modules` / `lora_target` / `lora_target_modules` match no module (PEFT raises); the message lists the model's linear layers",
+    "lora-target-partial-match": "some entries match nothing (PEFT drops them silently when another entry matches); suggests the closest linear layer name",
+    "lora-target-unsupported-module": "a target matches a module LoRA cannot wrap (a block, a norm, an activation); suggests the linear layers inside it",
+    "modules-to-save-tied": "`modules_to_save` (or `target_modules`, LLaMA-Factory `additional_target`) names a tied input embedding / `lm_head` without `ensure_weight_tying`",
+    "tokenizer-load-failed": "the tokenizer directory does not load with the installed transformers",
+    "tokenizer-no-pad": "no pad token (info for LLaMA-Factory, which sets pad = eos and labels by position)",
+    "pad-is-eos": "pad == eos and the collator masks pad labels (transformers' `DataCollatorForLanguageModeling`, TRL < 0.17 `SFTTrainer`): every EOS label becomes -100; info for a TRL >= 0.17 SFT config",
+    "chat-template-missing": "a chat format is configured (`assistant_only_loss`, `dataset_text_field: messages`; LLaMA-Factory SFT without `template`) but the tokenizer has no chat template (error with `assistant_only_loss`; also when its template lacks `{% generation %}`), or a LLaMA-Factory `template` that 0.9.5 does not know",
+    "seq-len-exceeds-positions": "`cutoff_len` (LLaMA-Factory; its default 2048 counts) / `max_length` / `max_seq_length` exceeds `max_position_embeddings`: error for learned positions, warning for RoPE (info with LLaMA-Factory `rope_scaling`)",
+    "ds-unknown-key": "a key DeepSpeed does not know: error inside `zero_optimization`, `offload_*`, `fp16`, `bf16` (pydantic `extra=\"forbid\"`), warning elsewhere (silently ignored). Checked against DeepSpeed 0.19.8's schema",
+    "ds-misplaced-key": "a key in the wrong section, e.g. `offload` under `optimizer` (or `optimizer.params`) instead of `zero_optimization.offload_optimizer`, ZeRO keys at the top level",
+    "ds-zero3-device-map": "ZeRO-3 with a `device_map` model load (`model_init_kwargs`), or `low_cpu_mem_usage: true` on transformers < 4.51 (info from 4.51, where it is ignored)",
+    "ds-offload-stage": "`offload_param` below stage 3, `offload_optimizer` at stage 0, a partial `offload_optimizer.ratio` below stage 3",
+    "ds-fp16-bf16-both": "`fp16.enabled` and `bf16.enabled` both true",
+    "ds-train-mismatch": "a non-`\"auto\"` DeepSpeed value differs from the TrainingArguments value (or its default): micro batch size, gradient accumulation, clipping, lr, betas, eps, weight decay, warmup_max_lr, fp16/bf16; or `train_batch_size` is not a multiple of micro batch × accumulation",
+    "packing-contamination": "packing whose packer / attention implementation / versions let packed examples attend to each other: by design (TRL ConstantLengthDataset, `pack_examples`, `\"wrapped\"`; LLaMA-Factory `packing` without `neat_packing` under flash attention): warning; fixable by a registered shim in range (`packing_block_mask`, `trl_padding_free_position_ids`): info when `ftshims.apply()` would install it, error when it would not (disabled, target missing)",
+    "gc-peft-reentrant": "gradient checkpointing + PEFT with reentrant checkpointing on a stack inside `lora_reentrant_checkpointing`'s range and the shim not applied (info when `ftshims.apply()` would install it); not for LLaMA-Factory, whose checkpointing function marks the inputs itself",
+    "lint-rule-failed": "a rule raised (a doctor bug or an unforeseen input); the other rules still ran",
+}
+
+
+def explain_command(rule: str) -> str:
+    return EXPLAIN.format(rule=rule)
+
+
+def explain(rule: str) -> str:
+    """The text ``--explain RULE`` prints; KeyError for an unknown rule."""
+    spec = RULES[rule]
+    lines = [
+        f"{spec.id} (default severity: {spec.severity})",
+        f"  checks      {spec.checks}",
+        f"  fires when  {FIRES_WHEN[rule]}",
+    ]
+    if spec.ref:
+        lines.append(f"  reference   {spec.ref}")
+    return "\n".join(lines) + "\n"
 
 
 def finding(
@@ -75,9 +126,10 @@ def finding(
         "severity": severity,
         "message": message,
         "fix": fix,
-        "ref": ref or spec.ref,
+        "ref": ref or spec.ref or explain_command(rule),
         "file": file,
         "key": key,
+        "explain": explain_command(rule),  # works from an installed package: no docs/ needed
     }
 
 

@@ -51,6 +51,21 @@ class Loader:
             )
         )
 
+    def invalid(self, path: str, what: str, fmt: str, exc: BaseException, text: str) -> None:
+        """``config-invalid``: the file was read but does not parse; say where and which syntax rule."""
+        line, column, problem = _error_location(exc)
+        where = f" at line {line}, column {column}" if line else ""
+        source = text.splitlines()[line - 1].strip() if line and line <= len(text.splitlines()) else ""
+        shown = f" (the line reads: {source[:120]!r})" if source else ""
+        self.findings.append(
+            finding(
+                "config-invalid",
+                f"{what} {path} is not valid {fmt}{where}: {problem}{shown}",
+                f"fix the {fmt} syntax{where}: {_SYNTAX_HINT[fmt]}",
+                file=path,
+            )
+        )
+
     def mapping(self, path: str, what: str, referenced: bool = False) -> Optional[Dict[str, Any]]:
         """A JSON or YAML file whose top level is a mapping. ``referenced``: the path came from inside another
         config (relative to the directory training is launched from), so a missing file is only a warning."""
@@ -81,7 +96,7 @@ class Loader:
                 if not text.lstrip().startswith(("{", "[")) and _yaml_available():
                     is_yaml = True  # a YAML file with another extension
                 else:
-                    self.unreadable(path, f"is not valid JSON ({exc})", what)
+                    self.invalid(path, what, "JSON", exc, text)
                     return None
         if is_yaml:
             if not _yaml_available():
@@ -99,12 +114,42 @@ class Loader:
             try:
                 data = yaml.safe_load(text)
             except yaml.YAMLError as exc:
-                self.unreadable(path, f"is not valid YAML ({' '.join(str(exc).split())[:300]})", what)
+                self.invalid(path, what, "YAML", exc, text)
                 return None
         if not isinstance(data, dict):
-            self.unreadable(path, f"its top level is {type(data).__name__}, not a mapping", what)
+            self.findings.append(
+                finding(
+                    "config-invalid",
+                    f"{what} {path}: its top level is {type(data).__name__}, not a mapping of settings",
+                    "write the settings as one mapping at the top level: `{\"key\": value, ...}` in JSON, `key: value` lines in YAML",
+                    file=path,
+                )
+            )
             return None
         return data
+
+
+# The syntax rules a hand-written config most often breaks, for the fix text.
+_SYNTAX_HINT = {
+    "JSON": "keys and strings in double quotes, a comma between items and none after the last, no comments, "
+    "true/false/null in lower case",
+    "YAML": "indent nested keys with spaces (no tabs) and consistently, a space after each `key:`, close every "
+    "[ and {, and quote values that contain `: ` or ` #` or start with [, {, *, &, !, % or @",
+}
+
+
+def _error_location(exc: BaseException) -> Tuple[Optional[int], Optional[int], str]:
+    """(line, column, problem) of a JSON or YAML parse error, 1-based; (None, None, text) when unknown."""
+    if isinstance(exc, json.JSONDecodeError):
+        return exc.lineno, exc.colno, exc.msg
+    mark = getattr(exc, "problem_mark", None)  # yaml.MarkedYAMLError
+    problem = " ".join(str(getattr(exc, "problem", None) or exc).split())[:300]
+    context = getattr(exc, "context", None)
+    if context:
+        problem = f"{problem} ({' '.join(str(context).split())})"
+    if mark is not None:
+        return mark.line + 1, mark.column + 1, problem
+    return None, None, problem
 
 
 def _yaml_available() -> bool:
