@@ -25,6 +25,20 @@ def compiling() -> bool:
     return _IS_COMPILING()
 
 
+def cache_length(past) -> int:
+    """Tokens already in a KV cache: a ``Cache`` object (``get_seq_length``) or the legacy tuple of
+    ``(key, value)`` with key ``[batch, heads, seq, dim]``; 0 for None or a shape it cannot read."""
+    if past is None:
+        return 0
+    get = getattr(past, "get_seq_length", None)
+    if callable(get):
+        return int(get())
+    try:
+        return int(past[0][0].shape[-2])
+    except (IndexError, TypeError, AttributeError, KeyError):
+        return 0
+
+
 def warn_once(seen: set, key: Any, emit: Callable[[], None]) -> bool:
     """Call ``emit()`` the first time ``key`` is seen in ``seen``; True when it did."""
     if key in seen:

@@ -108,19 +108,6 @@ def cache_key(kwargs) -> str:
     return "cache" if "cache" in kwargs else "past_key_values"
 
 
-def cache_length(cache) -> int:
-    if cache is None:
-        return 0
-    get = getattr(cache, "get_seq_length", None)
-    if get is not None:
-        return int(get())
-    if isinstance(cache, (tuple, list)):  # legacy tuple cache
-        if not cache or cache[0] is None:
-            return 0
-        return int(cache[0][0].shape[-2])
-    return 1  # unknown cache type: treat as non-empty, leave the call alone
-
-
 def window_of(config) -> Optional[int]:
     """The model's sliding attention window, when one is active."""
     if getattr(config, "use_sliding_window", True) is False:

@@ -29,7 +29,7 @@ trace): compiled static-cache generation sizes the buffer itself
 
 from __future__ import annotations
 
-from .._util import acted, compiling
+from .._util import acted, cache_length, compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -55,18 +55,6 @@ SPEC = ShimSpec(
 MODULES = ("transformers.models.llama.modeling_llama", "transformers.models.gemma.modeling_gemma")
 
 
-def _past_length(past) -> int:
-    if past is None:
-        return 0
-    get = getattr(past, "get_seq_length", None)
-    if callable(get):
-        return int(get())
-    try:  # legacy tuple cache: ((key, value), ...) with key [batch, heads, seq, dim]
-        return int(past[0][0].shape[-2])
-    except (IndexError, TypeError, AttributeError, KeyError):
-        return 0
-
-
 def needed_length(kwargs) -> int:
     """The buffer rows this call indexes: cached + new tokens, or the largest cache position + 1."""
     cache_position = kwargs.get("cache_position")
@@ -74,7 +62,7 @@ def needed_length(kwargs) -> int:
         return int(cache_position.max()) + 1
     ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
     new = ids.shape[-1] if ids is not None else embeds.shape[1] if embeds is not None else 0
-    return _past_length(kwargs.get("past_key_values")) + new
+    return cache_length(kwargs.get("past_key_values")) + new
 
 
 def regrow(module, total: int) -> bool:

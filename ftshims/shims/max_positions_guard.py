@@ -72,7 +72,7 @@ import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from .._util import acted, compiling, user_stacklevel
+from .._util import acted, cache_length, compiling, user_stacklevel
 from ..spec import Choice, Observation, ProbeUnsupported, ShimSpec, Target
 
 ENV_POLICY = "FTSHIMS_MAX_POSITIONS_POLICY"
@@ -310,18 +310,6 @@ def _length(tensor, dim: int) -> Optional[int]:
         return None
 
 
-def _past_length(past) -> int:
-    if past is None:
-        return 0
-    get = getattr(past, "get_seq_length", None)
-    if callable(get):
-        return int(get())
-    try:  # legacy tuple cache: ((key, value), ...) with key [batch, heads, seq, dim]
-        return int(past[0][0].shape[-2])
-    except (IndexError, TypeError, AttributeError, KeyError):
-        return 0
-
-
 # names of the inputs of each side: (ids, embeds, mask, per-token extras)
 _MAIN = ("input_ids", "inputs_embeds", "attention_mask", ("labels", "position_ids", "token_type_ids"))
 _ENCODER = ("input_ids", "inputs_embeds", "attention_mask", ("position_ids", "token_type_ids"))
@@ -463,7 +451,7 @@ class _Guard:
             new = _new_tokens(call, names, profile, side.name)
             if new is None:
                 continue
-            past = 0 if side.name == "encoder" else _past_length(call.get("past_key_values"))
+            past = 0 if side.name == "encoder" else cache_length(call.get("past_key_values"))
             if past + new > side.limit:
                 need = _needed(call, profile, side, names, new, past)
                 if need > side.limit:
