@@ -1,0 +1,1172 @@
+"""Model-zoo parity gate: the default ``ftshims.apply()`` must leave every healthy setup bit-identical.
+
+    python tests/zoo/gate.py                       # every listed mapping, 2 worker processes
+    python tests/zoo/gate.py --only llama,clip --verbose
+    python tests/zoo/gate.py --json /tmp/zoo.json --skips /tmp/zoo-skips.txt
+
+For every architecture of the installed transformers' auto mappings (LISTED
+below), a tiny random model is built from its config (``shrink.py`` plus the
+``overrides.py`` table) and run on inputs that hit the shims' triggers
+(``inputs.py``), forward and backward, in fp32 and bf16 (``.to(bfloat16)`` of
+the fp32 model), under eager and sdpa attention: once plain, once after
+``ftshims.apply()`` (models built and cast after it), then ``ftshims.revert()``.
+Outputs and gradients must be bit-identical (NaN-aware), with no new exception
+and no new warning, except the changes declared in ``declared_changes.toml``,
+whose direction checks must hold. Exit status 1 on any failure.
+
+See README.md in this folder for the run matrix, the pruning and the JSON keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# (label, candidate attribute names in transformers.models.auto.modeling_auto: the first that exists is used)
+LISTED = [
+    ("base", ("MODEL_MAPPING_NAMES",)),
+    ("causal_lm", ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",)),
+    ("seq2seq_lm", ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",)),
+    ("masked_lm", ("MODEL_FOR_MASKED_LM_MAPPING_NAMES",)),
+    ("seq_cls", ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",)),
+    ("image_text_to_text", ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES")),
+    ("speech_seq2seq", ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",)),
+    ("image_cls", ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",)),
+]
+# the class of a model type that gets the full matrix: the first mapping in this order that lists the model type
+PRIMARY_ORDER = ["causal_lm", "seq2seq_lm", "image_text_to_text", "speech_seq2seq", "masked_lm", "base", "seq_cls",
+                 "image_cls"]
+COMPILE_FAMILIES = ("llama", "mistral", "qwen2")
+SEED = 0
+GROUP_TIMEOUT_S = 60
+MAX_PARAMS = 2_500_000  # a tiny model has ~0.1-1M; more means the shrinker missed a dimension
+MAX_TRIAL_S = 1.5  # one fp32 forward of the main batch
+
+
+# ----------------------------------------------------------------------------------------------- enumeration
+
+def enumerate_tasks(only=None):
+    """``[(model_type, [(class_name, [mapping labels])...], primary_class)]`` sorted by model type; plus mapping totals."""
+    from transformers.models.auto import modeling_auto
+
+    per_type = defaultdict(dict)  # model_type -> class_name -> [labels]
+    totals = {}
+    mapping_names = {}
+    for label, candidates in LISTED:
+        name = next((c for c in candidates if hasattr(modeling_auto, c)), None)
+        if name is None:
+            continue
+        mapping_names[label] = name
+        mapping = getattr(modeling_auto, name)
+        totals[label] = []
+        for model_type, cls_name in mapping.items():
+            if isinstance(cls_name, (list, tuple)):
+                cls_name = cls_name[0]
+            totals[label].append(model_type)
+            per_type[model_type].setdefault(cls_name, []).append(label)
+    tasks = []
+    for model_type in sorted(per_type):
+        if only and model_type not in only:
+            continue
+        classes = per_type[model_type]
+        order = {label: i for i, label in enumerate(PRIMARY_ORDER)}
+        primary = min(classes, key=lambda c: min(order[label] for label in classes[c]))
+        ordered = [primary] + [c for c in classes if c != primary]
+        tasks.append((model_type, [(c, classes[c]) for c in ordered], primary))
+    return tasks, totals, mapping_names
+
+
+# ----------------------------------------------------------------------------------------------- capture
+
+ADDR = re.compile(r"0x[0-9a-fA-F]+")
+SHIM_FILE = re.compile(r"ftshims[/\\]shims[/\\]([a-z0-9_]+)\.py")
+
+
+def _norm(text: str) -> str:
+    return ADDR.sub("0x?", str(text)).strip()[:400]
+
+
+class _Handler(logging.Handler):
+    def __init__(self, sink):
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record):
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001
+            msg = str(record.msg)
+        self.sink.append((f"log:{record.name}:{record.levelname}: {_norm(msg)}", record.pathname or ""))
+
+
+@contextlib.contextmanager
+def capture():
+    """Collect python warnings and WARNING+ records of the 'transformers' and 'ftshims' loggers: [(text, origin)]."""
+    sink = []
+    handler = _Handler(sink)
+    loggers = [logging.getLogger("transformers"), logging.getLogger("ftshims")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    _clear_once_caches()
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        try:
+            yield sink
+        finally:
+            for lg in loggers:
+                lg.removeHandler(handler)
+            for w in records:
+                sink.append((f"warn:{w.category.__name__}: {_norm(w.message)}", w.filename or ""))
+
+
+def _clear_once_caches():
+    for name in ("warning_once", "info_once"):
+        fn = getattr(logging.Logger, name, None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    warnings.resetwarnings() if False else None
+
+
+class GroupTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
+    if seconds <= 0 or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise GroupTimeout(f"time limit of {seconds}s exceeded")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def exc_record(e: BaseException) -> dict:
+    text = f"{type(e).__name__}: {_norm(str(e).strip().splitlines()[0] if str(e).strip() else '')}"
+    shim = None
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        m = SHIM_FILE.search(frame.filename or "")
+        if m:
+            shim = m.group(1)
+            break
+    where = None
+    tb = traceback.extract_tb(e.__traceback__)
+    if tb:
+        last = tb[-1]
+        where = f"{Path(last.filename).name}:{last.lineno}"
+    return {"text": text, "shim": shim, "where": where}
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+def flat_tensors(obj, out=None, depth=0):
+    import torch
+
+    if out is None:
+        out = []
+    if depth > 6:
+        return out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict of its non-None fields
+        for value in obj.values():
+            flat_tensors(value, out, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            flat_tensors(value, out, depth + 1)
+    return out
+
+
+def _weights(shape, dtype):
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randn(shape, generator=gen, dtype=torch.float32)
+
+
+def fresh(kwargs):
+    """Copies of the input tensors: some models change their inputs in place (XGLM 4.57: ``position_ids += 2``)."""
+    import torch
+
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+
+
+def run_step(model, kwargs, backward=True):
+    """One forward (+ backward of a weighted sum of the first floating output); outputs, grads, warnings, exception."""
+    import torch
+
+    kwargs = fresh(kwargs)
+    rec = {"exc": None, "warn": [], "out": None, "grads": None}
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(SEED)
+    with capture() as sink:
+        try:
+            out = model(**kwargs)
+            tensors = flat_tensors(out)
+            rec["out"] = [t.detach().clone() for t in tensors]
+            if backward:
+                first = next((t for t in tensors if t.is_floating_point() and t.requires_grad), None)
+                if first is not None:
+                    scalar = (torch.nan_to_num(first.float()) * _weights(first.shape, first.dtype)).sum()
+                    scalar.backward()
+                rec["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        except GroupTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001
+            rec["exc"] = exc_record(e)
+    rec["warn"] = sink
+    model.zero_grad(set_to_none=True)
+    return rec
+
+
+def build(cls, config, attn):
+    import torch
+
+    torch.manual_seed(SEED)
+    kwargs = {"attn_implementation": attn} if attn else {}
+    model = cls._from_config(copy.deepcopy(config), **kwargs)
+    model.eval()
+    return model
+
+
+def rotary_modules(model):
+    return [(name, mod) for name, mod in model.named_modules() if type(mod).__name__.endswith("RotaryEmbedding")]
+
+
+def rope_tables(module, dtype, length=64):
+    """cos/sin a rotary module hands to attention for positions 0..length-1 (as float64), or None."""
+    import torch
+
+    x = torch.zeros((1, 1, length, 2), dtype=dtype)
+    pos = torch.arange(length).unsqueeze(0)
+    for call in (lambda: module(x, pos), lambda: module(x, position_ids=pos), lambda: module(x, seq_len=length)):
+        try:
+            with torch.no_grad():
+                out = call()
+        except Exception:  # noqa: BLE001
+            continue
+        if isinstance(out, (tuple, list)) and len(out) >= 2 and all(isinstance(t, torch.Tensor) for t in out[:2]):
+            cos, sin = out[0], out[1]
+            if cos.dim() >= 2 and cos.shape[-2] >= length:
+                cos, sin = cos[..., :length, :], sin[..., :length, :]
+            return cos.double(), sin.double()
+    return None
+
+
+def inv_freq_buffers(module):
+    return {n: b for n, b in module.named_buffers(recurse=False) if n.endswith("inv_freq")}
+
+
+def rope_reference(model):
+    """fp64 cos/sin of every rotary module of the (fp32, pristine) model: module copied to float64."""
+    import torch
+
+    refs = {}
+    for name, mod in rotary_modules(model):
+        ref = copy.deepcopy(mod).to(torch.float64)
+        tables = rope_tables(ref, torch.float64)
+        if tables is not None:
+            refs[name] = tables
+        elif inv_freq_buffers(mod):  # modules whose forward returns something else (llama4: complex freqs)
+            refs[name] = {n: b.detach().double().clone() for n, b in inv_freq_buffers(mod).items()}
+    return refs
+
+
+def _phase_error(inv, ref, length=64):
+    import torch
+
+    pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)
+    a, b = pos * inv.double().reshape(1, -1), pos * ref.reshape(1, -1)
+    return float(max((a.cos() - b.cos()).abs().max(), (a.sin() - b.sin()).abs().max()))
+
+
+def rope_errors(model, refs, dtype):
+    errors = {}
+    for name, mod in rotary_modules(model):
+        if name not in refs:
+            continue
+        if isinstance(refs[name], dict):
+            bufs = inv_freq_buffers(mod)
+            errs = [_phase_error(bufs[n], r) for n, r in refs[name].items() if n in bufs and bufs[n].shape == r.shape]
+            if errs:
+                errors[name] = max(errs)
+            continue
+        tables = rope_tables(mod, dtype)
+        if tables is None:
+            continue
+        cos, sin = tables
+        rc, rs = refs[name]
+        if cos.shape != rc.shape:
+            continue
+        errors[name] = float(max((cos - rc).abs().max(), (sin - rs).abs().max()))
+    return errors
+
+
+def packed_gap(model, rec, parts, dtype):
+    """Max |logits of each packed example - logits of the example run alone|."""
+    import torch
+
+    import inputs as zin
+
+    if rec["exc"] or not rec["out"]:
+        return None
+    packed = rec["out"][0]
+    gaps = []
+    start = 0
+    for part in parts:
+        n = part["input_ids"].shape[1]
+        with torch.no_grad(), capture():
+            alone = flat_tensors(model(**fresh(zin.cast(part, dtype))))[0]
+        seg = packed[:, start:start + n]
+        if seg.shape != alone.shape:
+            return None
+        gaps.append(float((seg.float() - alone.float()).abs().max()))
+        start += n
+    return max(gaps)
+
+
+def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
+    """Build ``cls`` with ``attn``; run the plan's steps. Returns {step_key: record}."""
+    import torch
+
+    import inputs as zin
+
+    recs = {}
+    with capture() as sink:
+        try:
+            model = build(cls, config, attn)
+            exc = None
+        except GroupTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001
+            model, exc = None, exc_record(e)
+    recs[f"{attn}|build"] = {"exc": exc, "warn": sink, "out": None, "grads": None}
+    if model is None:
+        return recs
+    need_bf16 = any(d == "bf16" for d, _ in plan["steps"])
+    pristine = copy.deepcopy(model) if need_bf16 else None
+    want_rope = plan.get("rope_probe") and need_bf16
+    refs = rope_reference(model) if want_rope else {}
+    for dtype_name, inp in plan["steps"]:
+        if dtype_name != "fp32" or inp not in inputs:
+            continue
+        rec = run_step(model, inputs[inp])
+        if inp == "packed" and "packed_parts" in inputs:
+            rec["probe"] = {"packed_gap": packed_gap(model, rec, inputs["packed_parts"], torch.float32)}
+        recs[f"{attn}|fp32|{inp}"] = rec
+    if compile_backend and plan.get("compile") and attn == plan.get("compile_attn", attn):
+        recs[f"{attn}|fp32|compile"] = compile_step(model, inputs["main"], compile_backend)
+    del model
+    if need_bf16:
+        with capture() as sink:
+            try:
+                m16 = pristine.to(torch.bfloat16)
+                exc = None
+            except GroupTimeout:
+                raise
+            except Exception as e:  # noqa: BLE001
+                m16, exc = None, exc_record(e)
+        recs[f"{attn}|bf16|cast"] = {"exc": exc, "warn": sink, "out": None, "grads": None}
+        if m16 is not None:
+            for dtype_name, inp in plan["steps"]:
+                if dtype_name != "bf16" or inp not in inputs:
+                    continue
+                rec = run_step(m16, zin.cast(inputs[inp], torch.bfloat16))
+                probe = {}
+                if refs:
+                    probe["rope_err"] = rope_errors(m16, refs, torch.bfloat16)
+                if inp == "packed" and "packed_parts" in inputs:
+                    probe["packed_gap"] = packed_gap(m16, rec, inputs["packed_parts"], torch.bfloat16)
+                if probe:
+                    rec["probe"] = probe
+                recs[f"{attn}|bf16|{inp}"] = rec
+    return recs
+
+
+def compile_step(model, kwargs, backend):
+    import torch
+
+    rec = {"exc": None, "warn": [], "out": None, "grads": None}
+    torch._dynamo.reset()
+    torch.manual_seed(SEED)
+    with capture() as sink:
+        try:
+            compiled = torch.compile(model, fullgraph=True, backend=backend)
+            with torch.no_grad():
+                rec["out"] = [t.detach().clone() for t in flat_tensors(compiled(**fresh(kwargs)))]
+        except GroupTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001
+            rec["exc"] = exc_record(e)
+    rec["warn"] = sink
+    torch._dynamo.reset()
+    return rec
+
+
+# ----------------------------------------------------------------------------------------------- comparison
+
+def _equal(a, b):
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False, f"shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+    if torch.equal(a, b):
+        return True, None
+    if a.is_floating_point() or a.is_complex():
+        na, nb = torch.isnan(a), torch.isnan(b)
+        if torch.equal(na, nb) and torch.equal(a[~na], b[~nb]):
+            return True, None
+        if not torch.equal(na, nb):
+            return False, f"NaN pattern differs ({int(na.sum())} vs {int(nb.sum())} NaN)"
+        diff = (a[~na].double() - b[~nb].double()).abs()
+        return False, f"max abs diff {float(diff.max()):.3g}"
+    return False, "values differ"
+
+
+def compare(p, s):
+    """The differences of a shimmed record ``s`` against the plain one ``p``: [{kind, detail}]."""
+    diffs = []
+    pe, se = (p.get("exc") or {}).get("text"), (s.get("exc") or {}).get("text")
+    if pe != se:
+        diffs.append({"kind": "exception", "detail": f"plain: {pe or 'ok'} | shimmed: {se or 'ok'}",
+                      "shim_hint": (s.get("exc") or {}).get("shim"), "where": (s.get("exc") or {}).get("where")})
+    plain_warn = {w for w, _ in p.get("warn", [])}
+    for text, origin in s.get("warn", []):
+        if text not in plain_warn:
+            m = SHIM_FILE.search(origin or "")
+            diffs.append({"kind": "warning", "detail": text, "shim_hint": m.group(1) if m else None})
+            plain_warn.add(text)
+    if pe is None and se is None:
+        for kind in ("out", "grads"):
+            a, b = p.get(kind), s.get(kind)
+            if a is None and b is None:
+                continue
+            if (a is None) != (b is None):
+                diffs.append({"kind": kind, "detail": "present in one run only"})
+                continue
+            if kind == "out":
+                if len(a) != len(b):
+                    diffs.append({"kind": "out", "detail": f"{len(a)} vs {len(b)} output tensors"})
+                    continue
+                for i, (x, y) in enumerate(zip(a, b)):
+                    same, why = _equal(x, y)
+                    if not same:
+                        diffs.append({"kind": "out", "detail": f"output[{i}] {why}"})
+                        break
+            else:
+                if set(a) != set(b):
+                    missing = sorted(set(a) ^ set(b))[:3]
+                    diffs.append({"kind": "grads", "detail": f"grad presence differs: {missing}"})
+                    continue
+                bad = []
+                for name in a:
+                    same, why = _equal(a[name], b[name])
+                    if not same:
+                        bad.append((name, why))
+                if bad:
+                    diffs.append({"kind": "grads", "detail": f"{len(bad)}/{len(a)} grads differ, e.g. {bad[0][0]}: {bad[0][1]}"})
+    return diffs
+
+
+def strip(rec):
+    """A record without tensors, for JSON."""
+    return {k: v for k, v in rec.items() if k not in ("out", "grads")}
+
+
+# ----------------------------------------------------------------------------------------------- tasks
+
+class Skip(Exception):
+    pass
+
+
+def classify_skip(text: str) -> str:
+    low = text.lower()
+    for lib in ("timm", "scipy", "detectron2", "pytesseract", "torchvision", "librosa", "natten", "essentia",
+                "pretty_midi", "sentencepiece", "tokenizers", "protobuf", "einops", "mamba_ssm", "causal_conv1d",
+                "av", "decord", "phonemizer", "g2p_en", "soundfile", "torchaudio", "bs4", "ftfy", "rjieba", "jieba",
+                "num2words", "levenshtein", "kenlm", "pyctcdecode", "flash_attn", "spacy", "fairscale", "xformers"):
+        if f"requires the {lib} library" in low or f"no module named '{lib}" in low or f"`{lib}`" in low and "install" in low:
+            return f"needs {lib}"
+    if "cuda" in low and ("kernel" in low or "not available" in low or "requires" in low):
+        return "CUDA-only kernel: " + text[:160]
+    return text[:200]
+
+
+class TaskRunner:
+    def __init__(self, args, declared):
+        import torch
+        import transformers
+
+        import overrides
+
+        self.args = args
+        self.torch = torch
+        self.transformers = transformers
+        self.overrides = overrides
+        self.declared = declared
+
+    # --- plain phase: config, classes, inputs, records
+    def prepare(self, task):
+        import inputs as zin
+        from transformers import AutoConfig
+
+        import shrink
+
+        model_type, classes, primary = task
+        st = {"model_type": model_type, "classes": {}, "skip": None, "t0": time.time()}
+        reason = self.overrides.SKIP.get(model_type)
+        if reason:
+            st["skip"] = reason
+            return st
+        try:
+            with capture():
+                base = AutoConfig.for_model(model_type)
+                config = shrink.shrink_config(base, self.overrides.config_overrides(model_type, base))
+                self.overrides.post_shrink(model_type, config)
+        except Exception as e:  # noqa: BLE001
+            st["skip"] = "config: " + classify_skip(exc_record(e)["text"])
+            return st
+        st["config"] = config
+        for cls_name, labels in classes:
+            c = {"labels": labels, "primary": cls_name == primary, "status": "pending", "reason": None, "notes": [],
+                 "plain": {}, "groups": []}
+            st["classes"][cls_name] = c
+            try:
+                cls = getattr(self.transformers, cls_name)
+            except Exception as e:  # noqa: BLE001
+                c["status"], c["reason"] = "skipped", "import: " + classify_skip(exc_record(e)["text"])
+                continue
+            c["cls"] = cls
+            decoder_lm = "causal_lm" in labels
+            attns = ["eager", "sdpa"] if c["primary"] else ["sdpa"]
+            plan_steps = [("fp32", "main"), ("bf16", "main")]
+            if decoder_lm and c["primary"]:
+                plan_steps += [("fp32", "packed"), ("bf16", "packed")]
+            plan = {"steps": plan_steps, "rope_probe": True,
+                    "compile": c["primary"] and model_type in COMPILE_FAMILIES and not self.args.no_compile}
+            c["plan"] = plan
+            try:
+                with time_limit(self.args.group_timeout):
+                    self._plain_class(st, c, cls, config, attns, decoder_lm)
+            except GroupTimeout as e:
+                c["status"], c["reason"] = "skipped", f"timeout: {e}"
+            except zin.InputError as e:
+                c["status"], c["reason"] = "skipped", f"inputs: {e}"
+            except Exception as e:  # noqa: BLE001
+                c["status"], c["reason"] = "skipped", "gate error: " + exc_record(e)["text"]
+        return st
+
+    def _plain_class(self, st, c, cls, config, attns, decoder_lm):
+        import inputs as zin
+
+        # inputs come from an eager build (plain); sdpa where the class supports it
+        try:
+            probe_model = build(cls, config, "eager")
+        except Exception as e:  # noqa: BLE001
+            try:
+                probe_model = build(cls, config, None)
+                attns = [None]
+                c["notes"].append("eager not selectable: " + exc_record(e)["text"][:120])
+            except Exception as e2:  # noqa: BLE001
+                c["status"], c["reason"] = "skipped", "build: " + classify_skip(exc_record(e2)["text"])
+                return
+        n_params = sum(p.numel() for p in probe_model.parameters())
+        if n_params > MAX_PARAMS:
+            biggest = max(probe_model.named_parameters(), key=lambda kv: kv[1].numel())[0]
+            c["status"], c["reason"] = "skipped", (f"too large after shrinking: {n_params / 1e6:.1f}M parameters "
+                                                   f"(largest {biggest}); needs an override")
+            return
+        ins = zin.make_inputs(probe_model, config, decoder_lm=decoder_lm, seed=SEED)
+        main = ins["main"]
+        if "__image_token__" in main:
+            n = zin.count_image_tokens(probe_model, main)
+            if n is None:
+                trial = dict(main)
+                trial.pop("__image_token__")
+                rec = run_step(probe_model, trial, backward=False)
+                n = zin.tokens_from_error((rec["exc"] or {}).get("text", "")) if rec["exc"] else None
+            if n is None:
+                raise zin.InputError("could not tell how many image tokens the model wants")
+            zin.place_image_tokens(main, n)
+        # a trial forward; when the batch itself is refused, fall back to simpler batches (noted)
+        t_trial = time.time()
+        trial = run_step(probe_model, main, backward=False)
+        t_trial = time.time() - t_trial
+        if t_trial > MAX_TRIAL_S:
+            c["status"], c["reason"] = "skipped", f"too slow: one forward takes {t_trial:.1f}s (> {MAX_TRIAL_S}s)"
+            return
+        if trial["exc"]:
+            for label, variant in zin.fallbacks(main):
+                again = run_step(probe_model, variant, backward=False)
+                if not again["exc"]:
+                    c["notes"].append(f"main batch refused ({trial['exc']['text'][:100]}); using {label}")
+                    ins["main"] = main = variant
+                    break
+        c["inputs"] = ins
+        c["has_rope"] = bool(rotary_modules(probe_model))
+        del probe_model
+        groups = []
+        for attn in attns:
+            if attn == "sdpa" and not getattr(cls, "_supports_sdpa", False):
+                c["notes"].append("sdpa skipped: class does not support it (_supports_sdpa is False)")
+                continue
+            groups.append(attn)
+        if not groups:
+            groups = ["eager"]
+        c["groups"] = groups
+        c["plan"]["compile_attn"] = "sdpa" if "sdpa" in groups else groups[0]
+        for attn in groups:
+            recs = run_group(st["model_type"], cls, config, attn, ins, c["plan"], self.args.compile_backend)
+            build_rec = recs.get(f"{attn}|build")
+            if build_rec and build_rec["exc"] and attn == "sdpa":
+                c["notes"].append("sdpa skipped: " + build_rec["exc"]["text"][:160])
+                c["groups"] = [g for g in c["groups"] if g != "sdpa"]
+                continue
+            c["plain"].update(recs)
+        ok = [k for k, r in c["plain"].items() if k.endswith("|fp32|main") and not r["exc"]]
+        if ok:
+            c["status"] = "run"
+        else:
+            first = next((r["exc"]["text"] for k, r in c["plain"].items() if r.get("exc")), "no step ran")
+            c["status"], c["reason"] = "skipped", "plain run fails: " + classify_skip(first)
+
+    # --- shimmed phase and the follow-ups
+    def rerun(self, st, cls_name, keys=None):
+        """Run the class's groups again (fresh builds) in whatever shim state is current; only ``keys`` if given."""
+        c = st["classes"][cls_name]
+        out = {}
+        for attn in c["groups"]:
+            plan = c["plan"]
+            if keys is not None:
+                wanted = {k for k in keys if k.split("|")[0] == str(attn)}
+                if not wanted:
+                    continue
+                steps = [(d, i) for d, i in plan["steps"] if f"{attn}|{d}|{i}" in wanted]
+                if f"{attn}|bf16|cast" in wanted and not any(d == "bf16" for d, _ in steps):
+                    steps.append(("bf16", "main"))
+                plan = dict(plan, steps=steps, compile=plan.get("compile") and f"{attn}|fp32|compile" in wanted)
+            try:
+                with time_limit(self.args.group_timeout):
+                    out.update(run_group(st["model_type"], c["cls"], st["config"], attn, c["inputs"], plan,
+                                         self.args.compile_backend))
+            except GroupTimeout as e:
+                out[f"{attn}|timeout"] = {"exc": {"text": f"GroupTimeout: {e}", "shim": None}, "warn": []}
+        return out
+
+
+def group_key(step_key):
+    return step_key.split("|")[0]
+
+
+# ----------------------------------------------------------------------------------------------- declared changes
+
+def load_declared(path):
+    import tomllib
+
+    if not Path(path).exists():
+        return []
+    data = tomllib.loads(Path(path).read_text())
+    return data.get("change", [])
+
+
+def step_trigger(step_key):
+    parts = step_key.split("|")
+    attn, dtype, inp = (parts + ["", "", ""])[:3]
+    triggers = set()
+    if dtype == "bf16":
+        triggers.add("bf16_cast")
+    if inp == "packed":
+        triggers.add("packed")
+    if inp == "main":
+        triggers.update({"left_pad", "long", "main"})
+    if inp == "compile":
+        triggers.add("compile")
+    return triggers
+
+
+def predicate_holds(pred, st, cls_name):
+    if not pred:
+        return True
+    c = st["classes"][cls_name]
+    if pred == "decoder-lm":
+        return "causal_lm" in c["labels"]
+    if pred == "rope":
+        return bool(c.get("has_rope"))
+    return False
+
+
+def matching_declarations(declared, st, cls_name, step_key, kinds):
+    found = []
+    for entry in declared:
+        arch = entry.get("arch", "*")
+        if arch != "*" and st["model_type"] not in (arch if isinstance(arch, list) else [arch]):
+            continue
+        if not predicate_holds(entry.get("predicate"), st, cls_name):
+            continue
+        if entry.get("trigger") not in step_trigger(step_key):
+            continue
+        allowed = set(entry.get("differs", ["out", "grads"]))
+        if not set(kinds) <= allowed:
+            continue
+        found.append(entry)
+    return found
+
+
+def run_check(name, plain_rec, shim_rec):
+    """A declared change's direction check: ("better" | "same" | "worse", detail).
+
+    "same": the metric did not move: the declared shim did not act on this step (another declared shim did).
+    """
+    pp, sp = plain_rec.get("probe") or {}, shim_rec.get("probe") or {}
+    if name == "rope_error_down":
+        pe, se = pp.get("rope_err") or {}, sp.get("rope_err") or {}
+        if not pe or not se:
+            return "worse", "no rotary module could be probed"
+        # Per rotary module: a multimodal model may hold one the shim repairs (the text tower's) and
+        # one it leaves alone (a 2D vision RoPE): the change holds when one got better and none worse.
+        worse = [n for n in pe if n in se and se[n] > pe[n]]
+        better = [n for n in pe if n in se and se[n] < pe[n]]
+        shown = better[0] if better else max(pe, key=pe.get)
+        detail = f"cos/sin error vs fp64 reference of {shown}: plain {pe[shown]:.3g}, shimmed {se.get(shown, float('nan')):.3g}"
+        if worse:
+            return "worse", detail + f" (worse on {worse[0]})"
+        return ("better" if better else "same"), detail
+    if name == "packed_gap_down":
+        pg, sg = pp.get("packed_gap"), sp.get("packed_gap")
+        if pg is None or sg is None:
+            return "worse", "packed gap not measured"
+        detail = f"packed-vs-alone logits gap: plain {pg:.3g}, shimmed {sg:.3g}"
+        return ("better" if sg < pg else "same" if sg == pg else "worse"), detail
+    return "worse", f"unknown check {name!r}"
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+def worker_main(args):
+    import torch
+    import transformers
+
+    import ftshims
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_warning()
+    # transformers' own stderr handler: keep its records (we capture them) but not the noise
+    for h in list(logging.getLogger("transformers").handlers):
+        h.setLevel(logging.CRITICAL + 1)
+    declared = load_declared(args.declared)
+    only = set(args.only.split(",")) if args.only else None
+    tasks, _, _ = enumerate_tasks(only)
+    chunks = [tasks[i:i + args.chunk] for i in range(0, len(tasks), args.chunk)]
+    runner = TaskRunner(args, declared)
+    out_path = Path(args.tmp) / f"worker-{args.worker}.jsonl"
+    bisect_budget = args.bisect_budget
+    ftshims.revert()
+    with open(out_path, "a") as out:
+        for idx, chunk in enumerate(chunks):
+            try:
+                fd = os.open(str(Path(args.tmp) / f"claim-{idx}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.close(fd)
+            except FileExistsError:
+                continue
+            results, bisect_budget = process_chunk(runner, chunk, declared, args, bisect_budget)
+            for res in results:
+                out.write(json.dumps(res, default=str) + "\n")
+            out.flush()
+
+
+def _active_ids(report):
+    return [e.id for e in report if e.active]
+
+
+def process_chunk(runner, chunk, declared, args, bisect_budget):
+    import ftshims
+
+    states = []
+    for task in chunk:
+        t = time.time()
+        st = runner.prepare(task)
+        st["t_plain"] = time.time() - t
+        states.append(st)
+    # shimmed phase
+    report = None if args.control else ftshims.apply()
+    active = _active_ids(report) if report is not None else []
+    diffs_by = {}  # (state idx, cls, step) -> [diffs]
+    try:
+        for si, st in enumerate(states):
+            t = time.time()
+            for cls_name, c in st["classes"].items():
+                if c["status"] != "run":
+                    continue
+                shim = runner.rerun(st, cls_name)
+                c["shim_keys"] = sorted(shim)
+                for key in sorted(set(c["plain"]) | set(shim)):
+                    p = c["plain"].get(key, {"exc": {"text": "step missing in plain run"}, "warn": []})
+                    s = shim.get(key, {"exc": {"text": "step missing in shimmed run"}, "warn": []})
+                    d = compare(p, s)
+                    if d:
+                        diffs_by[(si, cls_name, key)] = {"diffs": d, "plain": p, "shim": s}
+            st["t_shim"] = time.time() - t
+    finally:
+        if report is not None:
+            ftshims.revert()
+    # classify: declared (to be confirmed) or undeclared
+    confirm = defaultdict(set)  # frozenset(excluded shims) -> {(si, cls, key)}
+    for where, info in diffs_by.items():
+        si, cls_name, key = where
+        kinds = [d["kind"] for d in info["diffs"]]
+        entries = matching_declarations(declared, states[si], cls_name, key, kinds)
+        entries = [e for e in entries if e["shim"] in active]
+        info["declared"] = entries
+        if entries:
+            confirm[frozenset(e["shim"] for e in entries)].add(where)
+    # Where several declared shims match one step, keep only those that changed it by themselves:
+    # a bf16 packed step of a family the packing shim does not cover moves by RoPE's fix alone,
+    # and its packed gap moving with it is no claim of the packing shim's.
+    shared = defaultdict(set)  # shim id -> steps it shares with another declared shim
+    for where, info in diffs_by.items():
+        if len(info.get("declared") or []) > 1:
+            for entry in info["declared"]:
+                shared[entry["shim"]].add(where)
+    for shim_id, wheres in shared.items():
+        ftshims.apply(only=[shim_id])
+        try:
+            reruns = _rerun_many(runner, states, wheres)
+        finally:
+            ftshims.revert()
+        for where in wheres:
+            info = diffs_by[where]
+            alone = reruns.get(where)
+            if alone is not None and not compare(info["plain"], alone):
+                info["declared"] = [e for e in info["declared"] if e["shim"] != shim_id]
+    confirm = defaultdict(set)
+    for where, info in diffs_by.items():
+        if info.get("declared"):
+            confirm[frozenset(e["shim"] for e in info["declared"])].add(where)
+    for excluded, wheres in confirm.items():
+        ftshims.apply(exclude=sorted(excluded))
+        try:
+            reruns = _rerun_many(runner, states, wheres)
+        finally:
+            ftshims.revert()
+        for where in wheres:
+            si, cls_name, key = where
+            info = diffs_by[where]
+            rest = reruns.get(where)
+            left = compare(info["plain"], rest) if rest is not None else [{"kind": "exception", "detail": "rerun missing"}]
+            checks = []
+            for entry in info["declared"]:
+                verdict, detail = run_check(entry["check"], info["plain"], info["shim"])
+                checks.append({"id": entry.get("id"), "shim": entry["shim"], "check": entry["check"],
+                               "verdict": verdict, "detail": detail})
+            info["checks"] = checks
+            if left:
+                info["leftover"] = left  # the declared shims do not explain the whole difference
+    # attribution of undeclared differences: hints from tracebacks/warning origins, else bisect
+    to_bisect = {}
+    for where, info in diffs_by.items():
+        pending = info.get("leftover") if info.get("declared") else info["diffs"]
+        if not pending:
+            continue
+        hints = {d.get("shim_hint") for d in pending if d.get("shim_hint")}
+        if hints and all(d.get("shim_hint") for d in pending):
+            info["culprits"] = sorted(hints)
+        else:
+            to_bisect[where] = info
+    if to_bisect and not args.control:
+        t0 = time.time()
+        if bisect_budget > 0:
+            culprits = defaultdict(list)
+            for shim_id in active:
+                ftshims.apply(only=[shim_id])
+                try:
+                    reruns = _rerun_many(runner, states, set(to_bisect))
+                finally:
+                    ftshims.revert()
+                for where, info in to_bisect.items():
+                    rr = reruns.get(where)
+                    if rr is not None and compare(info["plain"], rr):
+                        culprits[where].append(shim_id)
+            for where, info in to_bisect.items():
+                info["culprits"] = culprits.get(where) or ["(none alone: a combination)"]
+            bisect_budget -= time.time() - t0
+        else:
+            for info in to_bisect.values():
+                info["culprits"] = ["(not bisected: budget spent)"]
+    # results
+    results = []
+    for si, st in enumerate(states):
+        res = {"model_type": st["model_type"], "skip": st.get("skip"), "t_plain": round(st.get("t_plain", 0), 3),
+               "t_shim": round(st.get("t_shim", 0), 3), "active_shims": active, "classes": {}}
+        for cls_name, c in st["classes"].items():
+            entry = {"labels": c["labels"], "primary": c["primary"], "status": c["status"], "reason": c["reason"],
+                     "notes": c["notes"], "groups": c.get("groups", []),
+                     "steps": sorted(k for k in c.get("plain", {})), "failures": [], "declared_ok": []}
+            for (sj, cn, key), info in diffs_by.items():
+                if sj != si or cn != cls_name:
+                    continue
+                item = {"step": key, "diffs": info["diffs"], "culprits": info.get("culprits"),
+                        "plain_exc": (info["plain"].get("exc") or {}).get("text"),
+                        "shim_exc": (info["shim"].get("exc") or {}).get("text")}
+                if info.get("declared"):
+                    item["checks"] = info.get("checks", [])
+                    verdicts = [ch["verdict"] for ch in item["checks"]]
+                    bad_checks = "worse" in verdicts or "better" not in verdicts
+                    if info.get("leftover"):
+                        item["leftover"] = info["leftover"]
+                    if bad_checks or info.get("leftover"):
+                        entry["failures"].append(item)
+                    else:
+                        entry["declared_ok"].append(item)
+                else:
+                    entry["failures"].append(item)
+            res["classes"][cls_name] = entry
+        results.append(res)
+    return results, bisect_budget
+
+
+def _rerun_many(runner, states, wheres):
+    by_class = defaultdict(set)
+    for si, cls_name, key in wheres:
+        by_class[(si, cls_name)].add(key)
+    out = {}
+    for (si, cls_name), keys in by_class.items():
+        recs = runner.rerun(states[si], cls_name, keys)
+        for key in keys:
+            if key in recs:
+                out[(si, cls_name, key)] = recs[key]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+def versions():
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "transformers", "peft", "trl", "accelerate", "tokenizers", "huggingface-hub"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated model types (e.g. llama,clip)")
+    ap.add_argument("--verbose", action="store_true", help="print a per-model table")
+    ap.add_argument("--json", help="write the JSON summary here")
+    ap.add_argument("--skips", help="write the skipped architectures (one line each, with the reason) here")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=12, help="model types per apply()/revert() cycle")
+    ap.add_argument("--group-timeout", type=int, default=GROUP_TIMEOUT_S)
+    ap.add_argument("--bisect-budget", type=float, default=90.0, help="seconds per worker for attributing differences")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile-backend", default="eager",
+                    help="torch.compile backend of the fullgraph step: eager (dynamo tracing only, default), aot_eager, inductor")
+    ap.add_argument("--declared", default=str(HERE / "declared_changes.toml"))
+    ap.add_argument("--stack", default=os.environ.get("FTSHIMS_STACK", "local"))
+    ap.add_argument("--control", action="store_true", help="do not apply shims in the second phase (checks the gate itself)")
+    ap.add_argument("--min-causal", type=float, default=0.0, help="fail when causal-LM coverage is below this fraction")
+    ap.add_argument("--min-overall", type=float, default=0.0, help="fail when overall coverage is below this fraction")
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker is not None:
+        worker_main(args)
+        return 0
+    t0 = time.time()
+    tmp = Path(tempfile.mkdtemp(prefix="zoo-gate-"))
+    cmd_base = [sys.executable, str(Path(__file__).resolve())]
+    passthrough = []
+    for flag in ("only", "chunk", "group_timeout", "bisect_budget", "compile_backend", "declared"):
+        value = getattr(args, flag)
+        if value is not None:
+            passthrough += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.no_compile:
+        passthrough.append("--no-compile")
+    if args.control:
+        passthrough.append("--control")
+    procs = []
+    for k in range(max(1, args.workers)):
+        log = open(tmp / f"worker-{k}.log", "w")
+        procs.append((subprocess.Popen(cmd_base + passthrough + ["--worker", str(k), "--tmp", str(tmp)],
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    crashed = []
+    for k, (proc, log) in enumerate(procs):
+        rc = proc.wait()
+        log.close()
+        if rc != 0:
+            crashed.append((k, rc, (tmp / f"worker-{k}.log").read_text()[-3000:]))
+    results = []
+    for k in range(len(procs)):
+        path = tmp / f"worker-{k}.jsonl"
+        if path.exists():
+            results += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return report(args, results, crashed, time.time() - t0, tmp)
+
+
+def report(args, results, crashed, wall, tmp):
+    sys.path.insert(0, str(HERE))
+    import transformers  # noqa: F401  (enumeration only)
+
+    only = set(args.only.split(",")) if args.only else None
+    tasks, totals, mapping_names = enumerate_tasks(only)
+    by_type = {r["model_type"]: r for r in results}
+    status = {}  # (label, model_type) -> (ok, reason)
+    for label, types in totals.items():
+        for mt in types:
+            if only and mt not in only:
+                continue
+            r = by_type.get(mt)
+            if r is None:
+                status[(label, mt)] = (False, "not run (worker crashed or time limit)")
+                continue
+            if r.get("skip"):
+                status[(label, mt)] = (False, r["skip"])
+                continue
+            cls = next((c for c in r["classes"].values() if label in c["labels"]), None)
+            if cls is None:
+                status[(label, mt)] = (False, "class not found")
+            elif cls["status"] == "run":
+                status[(label, mt)] = (True, None)
+            else:
+                status[(label, mt)] = (False, cls["reason"] or cls["status"])
+    coverage = {}
+    for label in totals:
+        items = [(mt, ok) for (lb, mt), (ok, _) in status.items() if lb == label]
+        coverage[label] = {"mapping": mapping_names[label], "run": sum(ok for _, ok in items), "total": len(items)}
+    n_run = sum(v["run"] for v in coverage.values())
+    n_total = sum(v["total"] for v in coverage.values())
+    failures = []
+    declared_ok = []
+    for r in results:
+        for cls_name, c in r["classes"].items():
+            for f in c["failures"]:
+                failures.append({"model_type": r["model_type"], "class": cls_name, **f})
+            for f in c["declared_ok"]:
+                declared_ok.append({"model_type": r["model_type"], "class": cls_name, "step": f["step"],
+                                    "checks": f.get("checks")})
+    skips = sorted({(mt, reason) for (lb, mt), (ok, reason) in status.items() if not ok})
+    skip_lines = []
+    for mt, reason in skips:
+        labels = sorted(lb for (lb, m), (ok, _) in status.items() if m == mt and not ok)
+        skip_lines.append(f"{mt} [{','.join(labels)}]: {reason}")
+    active = next((r["active_shims"] for r in results if r.get("active_shims")), [])
+    vers = versions()
+    print(f"zoo gate: stack {args.stack}, transformers {vers['transformers']}, torch {vers['torch']}; "
+          f"shims active: {', '.join(active) or '(none)'}{' [CONTROL RUN: no shims]' if args.control else ''}")
+    print("coverage (built and run / listed):")
+    for label, cov in coverage.items():
+        pct = 100.0 * cov["run"] / cov["total"] if cov["total"] else 100.0
+        print(f"  {label:<20} {cov['mapping']:<50} {cov['run']:>4}/{cov['total']:<4} {pct:5.1f}%")
+    pct_all = 100.0 * n_run / n_total if n_total else 100.0
+    print(f"  {'overall':<20} {'':<50} {n_run:>4}/{n_total:<4} {pct_all:5.1f}%")
+    if args.verbose:
+        print("\nper model:")
+        print(f"  {'model_type':<32} {'class':<48} {'status':<8} {'steps':>5} {'fail':>4} {'decl':>4}  s(plain/shim)  note")
+        for r in sorted(results, key=lambda r: r["model_type"]):
+            if r.get("skip"):
+                print(f"  {r['model_type']:<32} {'-':<48} {'skip':<8} {'':>5} {'':>4} {'':>4}  {'':13}  {r['skip'][:90]}")
+                continue
+            for cls_name, c in r["classes"].items():
+                note = c["reason"] or "; ".join(c["notes"])[:90]
+                print(f"  {r['model_type']:<32} {cls_name[:48]:<48} {c['status']:<8} {len(c['steps']):>5} "
+                      f"{len(c['failures']):>4} {len(c['declared_ok']):>4}  {r['t_plain']:5.2f}/{r['t_shim']:5.2f}  {note[:90]}")
+    print(f"\nskipped: {len(skip_lines)} architectures" + (f" (list: {args.skips})" if args.skips else ""))
+    if args.verbose or not args.skips:
+        for line in skip_lines:
+            print("  " + line)
+    if declared_ok:
+        by_check = defaultdict(int)
+        for d in declared_ok:
+            for ch in d.get("checks") or []:
+                if ch["verdict"] == "better":
+                    by_check[(ch["shim"], ch["check"])] += 1
+        print("\ndeclared changes seen, direction checks holding:")
+        for (shim, check), n in sorted(by_check.items()):
+            print(f"  {shim} / {check}: {n} steps")
+    print(f"\nfailures: {len(failures)}")
+    grouped = defaultdict(list)
+    for f in failures:
+        culprits = ",".join(f.get("culprits") or []) or "?"
+        first = (f.get("leftover") or f["diffs"])[0]
+        kind = first["kind"]
+        detail = first["detail"]
+        if f.get("checks") and not f.get("leftover"):
+            bad = [ch for ch in f["checks"] if ch["verdict"] != "better"]
+            kind, detail = "declared check failed", "; ".join(f"{ch['check']}: {ch['detail']}" for ch in bad)
+        key = (culprits, kind, re.sub(r"[-+]?\d[\d.e+-]*", "#", detail)[:160])
+        grouped[key].append(f)
+    for (culprits, kind, _), items in sorted(grouped.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
+        sample = items[0]
+        first = (sample.get("leftover") or sample["diffs"])[0]
+        print(f"  [{culprits}] {kind}: {len(items)} steps, e.g. {sample['model_type']} {sample['class']} {sample['step']}")
+        print(f"      {first['detail'][:300]}")
+        steps = sorted({f"{f['model_type']}:{f['step']}" for f in items})
+        print(f"      where: {', '.join(steps[:12])}{' ...' if len(steps) > 12 else ''}")
+    if crashed:
+        print("\nworker crashes:")
+        for k, rc, tail in crashed:
+            print(f"  worker {k} exit {rc}:\n" + "\n".join("    " + l for l in tail.splitlines()[-20:]))
+    cov_causal = coverage.get("causal_lm", {"run": 0, "total": 0})
+    frac_causal = cov_causal["run"] / cov_causal["total"] if cov_causal["total"] else 1.0
+    frac_all = n_run / n_total if n_total else 1.0
+    coverage_fail = frac_causal < args.min_causal or frac_all < args.min_overall
+    print(f"\nwall time {wall:.1f}s; worker logs in {tmp}")
+    if coverage_fail:
+        print(f"COVERAGE BELOW GOAL: causal-LM {100 * frac_causal:.1f}% (min {100 * args.min_causal:.0f}%), "
+              f"overall {100 * frac_all:.1f}% (min {100 * args.min_overall:.0f}%)")
+    summary = {
+        "stack": args.stack, "versions": vers, "active_shims": active, "control": args.control,
+        "coverage": coverage, "overall": {"run": n_run, "total": n_total},
+        "skipped": [{"model_type": mt, "reason": reason} for mt, reason in skips],
+        "failures": failures, "declared_ok": declared_ok, "wall_s": round(wall, 1),
+        "crashed_workers": [{"worker": k, "rc": rc} for k, rc, _ in crashed],
+        "models": results,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    if args.skips:
+        Path(args.skips).write_text("\n".join(skip_lines) + "\n")
+    ok = not failures and not crashed and not coverage_fail
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
