@@ -49,6 +49,7 @@ TOP_LEVEL = (
     "probes",
     "advisories",
     "findings",
+    "tested_stack",
     "summary",
     "timing",
     "errors",
@@ -650,7 +651,7 @@ def test_torch_details_on_a_fake_cuda_torch():
 
 def _keys(value, path=""):
     """Every key path of a report; maps keyed by package or shim names are not walked into."""
-    dynamic = {"requires", "fixed_in", "versions", "sections", "env"}
+    dynamic = {"requires", "fixed_in", "versions", "sections", "env", "compared", "differences"}
     if isinstance(value, dict):
         for key, item in value.items():
             yield key
@@ -672,3 +673,118 @@ def test_every_key_is_documented(full_report):
         assert f"`{verdict}`" in doc
     for status in ("ok", "not installed", "abi mismatch", "missing library", "import error", "timeout", "crashed"):
         assert f"`{status}`" in doc
+
+
+# -- tested stacks (ftshims/data/stacks.toml) -------------------------------------------------------
+
+from ftshims.doctor import stacks as stacks_mod  # noqa: E402
+
+FAKE_STACKS = {
+    "old": {"transformers": "4.46.3", "peft": "0.13.2", "trl": "0.12.2", "accelerate": "1.15.0", "datasets": "5.0.1"},
+    "mid_a": {"transformers": "4.56.2", "peft": "0.17.1", "trl": "0.22.2", "accelerate": "1.15.0", "datasets": "5.0.1"},
+    "mid_b": {"transformers": "4.57.6", "peft": "0.17.1", "trl": "0.24.0", "accelerate": "1.15.0", "datasets": "5.0.1"},
+    "new": {"transformers": "4.57.6", "peft": "0.21.2", "trl": "1.16.0", "accelerate": "1.15.0", "datasets": "5.0.1"},
+    "same_as_new": {"transformers": "4.57.6", "peft": "0.21.2", "trl": "1.16.0", "accelerate": "1.15.0", "datasets": "5.0.1"},
+}
+
+
+def test_tested_stack_exact_match():
+    installed = dict(FAKE_STACKS["new"], transformers="4.57.6+local")  # a local label is the same release
+    section = stacks_mod.compare(installed, FAKE_STACKS)
+    assert section["status"] == "exact" and section["stacks"] == ["new", "same_as_new"]
+    assert section["differences"] == {} and "exactly the tested stack new" in section["message"]
+
+
+def test_tested_stack_nearest_by_transformers_then_peft_then_trl():
+    # transformers 4.57.1: nearest to the 4.57.6 stacks; peft 0.17.1 then picks mid_b over new
+    installed = {"transformers": "4.57.1", "peft": "0.17.1", "trl": "0.24.0", "accelerate": "1.15.0", "datasets": "5.0.1"}
+    section = stacks_mod.compare(installed, FAKE_STACKS)
+    assert section["status"] == "untested" and section["stacks"] == ["mid_b"]
+    assert section["differences"] == {"mid_b": {"transformers": {"installed": "4.57.1", "tested": "4.57.6"}}}
+    assert "nearest: mid_b (transformers 4.57.1 here, 4.57.6 tested)" in section["message"]
+    assert "ranges were evaluated on your installed versions" in section["message"]
+    # one package off, or not installed, is not a tested stack either
+    section = stacks_mod.compare(dict(FAKE_STACKS["new"], datasets=None), FAKE_STACKS)
+    assert section["status"] == "untested" and section["stacks"] == ["new", "same_as_new"]
+    assert section["differences"]["new"] == {"datasets": {"installed": None, "tested": "5.0.1"}}
+
+
+def test_tested_stack_on_the_real_stacks_file():
+    from ftshims import datafiles
+
+    default = datafiles.default_stack()
+    section = stacks_mod.tested_stack(datafiles.pinned_versions(default))
+    assert section["status"] == "exact" and default in section["stacks"]
+    near = dict(datafiles.pinned_versions("t4_56"), transformers="4.55.4")
+    section = stacks_mod.tested_stack(near)
+    assert section["status"] == "untested" and section["stacks"] == ["t4_56"]
+
+
+def test_tested_stack_is_unknown_without_tomllib(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # Python < 3.11: `import tomllib` fails
+    section = stacks_mod.tested_stack({"transformers": "4.57.6"})
+    assert section["status"] == "unknown" and section["stacks"] == []
+    assert "unknown" in section["message"] and "3.11" in section["message"]
+
+
+def test_tested_stack_in_the_three_formats(monkeypatch):
+    monkeypatch.setattr(stacks_mod, "installed_versions", lambda rows: {"transformers": "4.57.1"})
+    report = collect(QUICK)
+    section = report["tested_stack"]
+    assert section["status"] == "untested" and section["compared"]["transformers"] == "4.57.1"
+    assert section["stacks"]
+    assert "Tested stack" in formats.to_text(report) and section["message"] in formats.to_text(report)
+    assert f"**Tested stack:** {section['message']}" in formats.to_markdown(report)
+    assert json.loads(formats.to_json(report))["tested_stack"] == section
+    assert "unverified" in report["summary"]  # the older key keeps its meaning (shims whose module did not import)
+
+
+# -- advisories that concern certain model types -------------------------------------------------
+
+DEEPSEEK = "deepseek_v2_yarn_missing_mscale"
+TRANSFORMERS_4_57 = [{"name": "transformers", "version": "4.57.6"}]
+
+
+def _advisory(rows, advisory_id):
+    (row,) = [a for a in rows if a["id"] == advisory_id]
+    return row
+
+
+def _model(tmp_path, model_type):
+    path = tmp_path / model_type
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return str(path)
+
+
+def test_model_specific_advisory_is_conditional_without_model():
+    row = _advisory(report_mod.advisory_rows(TRANSFORMERS_4_57), DEEPSEEK)
+    assert row["applies"] == "conditional" and row["model_types"] == ["deepseek_v2"]
+    text = formats._applies_text(row, {})
+    assert text.startswith("only if you train a deepseek_v2 model")
+    report = report_mod.skeleton(QUICK)
+    report["advisories"] = [row]
+    summary = report_mod.summarize(report)
+    assert not any(DEEPSEEK in w for w in summary["warnings"])  # not a warning of the stack
+    assert "1 advisory applies only to certain model types (--model CONFIG tells)" in summary["message"]
+
+
+@pytest.mark.parametrize("model_type,applies", [("deepseek_v2", "yes"), ("llama", "no")])
+def test_model_specific_advisory_with_model(tmp_path, model_type, applies):
+    options = Options(model=_model(tmp_path, model_type))
+    row = _advisory(report_mod.advisory_rows(TRANSFORMERS_4_57, None, report_mod._model_type(options)), DEEPSEEK)
+    assert row["applies"] == applies
+    report = report_mod.skeleton(options)
+    report["advisories"] = [row]
+    summary = report_mod.summarize(report)
+    assert any(DEEPSEEK in w for w in summary["warnings"]) == (applies == "yes")
+    report["summary"] = summary
+    text = formats.to_text(report)
+    assert ("applies  yes: your model" in text) == (applies == "yes")
+    assert ("applies  no: your model (--model) is not deepseek_v2" in text) == (applies == "no")
+    assert "| applies |" in formats.to_markdown(report)
+
+
+def test_advisories_without_model_types_always_apply():
+    rows = report_mod.advisory_rows([{"name": "transformers", "version": "4.47.0"}], None, "llama")
+    assert rows and all(r["applies"] == "yes" for r in rows if not r["model_types"])

@@ -37,9 +37,10 @@ def rules_of(found, rule=None):
 
 # (rule, trigger inputs, clean inputs, expected severity of the trigger)
 CASES = [
-    ("file-unreadable", dict(adapter=p("adapters", "broken.json")), dict(adapter=p("adapters", "ok.json")), "error"),
+    ("config-invalid", dict(adapter=p("adapters", "broken.json")), dict(adapter=p("adapters", "ok.json")), "error"),
     ("file-unreadable", dict(deepspeed=p("ds", "missing.json")), dict(deepspeed=p("ds", "ok_z3.json")), "error"),
-    ("file-unreadable", dict(train_config=p("train", "broken.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "error"),
+    ("config-invalid", dict(train_config=p("train", "broken.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "error"),
+    ("config-invalid", dict(train_config=p("train", "hf_invalid.json")), dict(train_config=p("train", "hf_ok.json")), "error"),
     ("file-unreadable", dict(tokenizer=p("tokenizers", "nope")), dict(tokenizer=p("tokenizers", "pad_ok")), "error"),
     ("model-config-invalid", dict(model=p("models", "unknown_type")), dict(model=LLAMA), "error"),
     ("model-config-invalid", dict(model=p("models", "no_type")), dict(model=GPT2), "error"),
@@ -80,7 +81,9 @@ def test_rule_triggers_and_stays_silent(rule, trigger, clean, severity):
     assert severity in {h["severity"] for h in hits}, hits
     for hit in hits:
         assert hit["message"] and hit["fix"] and hit["ref"], hit
-        assert set(hit) == {"rule", "severity", "message", "fix", "ref", "file", "key"}
+        assert set(hit) == {"rule", "severity", "message", "fix", "ref", "file", "key", "explain"}
+        assert hit["explain"] == f"python -m ftshims.doctor --explain {rule}"
+        assert hit["ref"].startswith(("https://", "python -m ftshims.doctor --explain"))  # an installed package has no docs/
     assert not rules_of(run(**clean), rule), f"{rule} fired on the clean fixture {clean}"
 
 
@@ -329,11 +332,66 @@ def test_version_dependent_training_keys():
         assert "gradient_checkpointing_kwargs" in hits[0]["message"]
 
 
+def test_invalid_configs_get_config_invalid_with_the_location(tmp_path):
+    (hit,) = rules_of(run(train_config=p("train", "hf_invalid.json")), "config-invalid")
+    assert "not valid JSON at line 5, column 3" in hit["message"] and "delimiter" in hit["message"]
+    assert '"gradient_accumulation_steps": 8' in hit["message"]  # the offending line
+    assert hit["fix"].startswith("fix the JSON syntax at line 5, column 3") and "comma" in hit["fix"]
+    pytest.importorskip("yaml")
+    (hit,) = rules_of(run(train_config=p("train", "broken.yaml")), "config-invalid")
+    assert re.search(r"not valid YAML at line \d+, column \d+", hit["message"]), hit
+    assert hit["fix"].startswith("fix the YAML syntax at line") and "indent" in hit["fix"]
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    (hit,) = rules_of(run(train_config=str(listed)), "config-invalid")
+    assert "not a mapping" in hit["message"]
+
+
+def test_missing_or_unreadable_files_stay_file_unreadable(tmp_path):
+    found = run(train_config=str(tmp_path / "nope.json"))
+    assert [f["rule"] for f in found] == ["file-unreadable"]
+    assert "no such file" in found[0]["message"]
+    undecodable = tmp_path / "latin1.json"
+    undecodable.write_bytes(b'{"a": "\xff\xfe\xe9"}')
+    assert [f["rule"] for f in run(train_config=str(undecodable))] == ["file-unreadable"]
+
+
+def test_explain_prints_a_rule_from_the_package(capsys):
+    assert cli.main(["--explain", "config-invalid"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("config-invalid (default severity: error)")
+    assert findings_mod.FIRES_WHEN["config-invalid"] in out
+    assert cli.main(["--explain", "lora-target-no-match"]) == 0
+    assert "https://huggingface.co/docs/peft" in capsys.readouterr().out  # the rule's reference
+
+
+def test_explain_an_unknown_rule_is_a_usage_error_naming_close_matches(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--explain", "confg-invalid"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown rule 'confg-invalid'" in err and "config-invalid" in err and "model-config-invalid" in err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--explain", "zzz"])
+    assert exc.value.code == 2
+    assert "known rules: file-unreadable" in capsys.readouterr().err  # nothing close: all of them
+
+
+def test_rule_explanations_are_the_documented_table():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "doctor-json.md").read_text()
+    table = doc.split("### Lint rules")[1].split("\n## ")[0]
+    rows = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^\| `([a-z0-9-]+)` \| (\w+) \| (.*) \|$", table, re.M)}
+    assert list(rows) == list(findings_mod.RULES)
+    for rule, (severity, fires_when) in rows.items():
+        assert severity == findings_mod.RULES[rule].severity, rule
+        assert fires_when == findings_mod.FIRES_WHEN[rule], rule
+
+
 def test_rules_and_finding_keys_are_documented():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "doctor-json.md").read_text()
     for rule in findings_mod.RULES:
         assert f"| `{rule}` |" in doc, rule
-    for key in ("rule", "severity", "message", "fix", "ref", "file", "key"):
+    for key in ("rule", "severity", "message", "fix", "ref", "file", "key", "explain"):
         assert f"| `{key}` |" in doc, key
     for key in ("model", "adapter", "tokenizer", "deepspeed", "train_config", "probe_timeout", "probe_jobs"):
         assert f"| `{key}` |" in doc, key

@@ -183,6 +183,24 @@ def test_a_server_that_cannot_start_stops_the_run_with_a_reason(fakes):
     assert seconds < 30
 
 
+def test_the_doctor_runs_its_own_trial_when_the_server_cannot_start(monkeypatch):
+    broken = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    env = probes.child_env()
+    real_run = probes.ProbeRun
+
+    def run(tasks=None, **kwargs):
+        assert kwargs["environment"] is False  # --no-import: the server was asked for the trial without imports
+        return real_run(probes.tasks_from_registry()[:1], server_factory=lambda: probes.Server(env, argv=broken), **kwargs)
+
+    monkeypatch.setattr(probes, "run", run)
+    started = time.perf_counter()
+    report = report_mod.collect(report_mod.Options(probe=True, trial_imports=False, check_flash_attn=False))
+    assert report["trial"]["mode"] == "version gating only (--no-import)"  # the doctor's own trial
+    assert report["shims"] and report["environment"]["torch"]["status"] is not None
+    assert report["probes"]["results"][0]["status"] == "not run"
+    assert time.perf_counter() - started < 60
+
+
 def test_the_probe_environment_is_offline_and_unpatched(monkeypatch):
     monkeypatch.setenv("FTSHIMS_AUTO", "1")
     monkeypatch.setenv("FTSHIMS_DISABLE", "x")
@@ -322,6 +340,14 @@ def test_real_probe_run_end_to_end(real_probe_run):
         else:
             assert row["bug_with_shim"] is False, row  # the gate: no bug outside the range
     assert data["summary"]["exit_code"] == result.returncode
+    # The server computed the torch section and the trial (the doctor imported neither); same verdicts as in-process.
+    assert data["trial"]["mode"] == "apply, import, revert, in a child of the probe server"
+    assert "trial" not in data["timing"]["sections"] and "probe_server" in data["timing"]["sections"]
+    assert data["environment"]["torch"]["status"] == "imported"
+    from ftshims.doctor.shims import run_trial, shim_rows
+
+    local = {row["id"]: (row["status"], row["verdict"]) for row in shim_rows(run_trial(True), True)}  # reverts itself
+    assert {row["id"]: (row["status"], row["verdict"]) for row in data["shims"]} == local
     probe_problems = {p["id"]: p["message"] for p in data["summary"]["problems"] if p["source"] == "probe"}
     assert set(probe_problems) == set(unfixable)
     for shim_id, covering in unfixable.items():

@@ -7,6 +7,10 @@ runs the tasks and writes one JSON line per event on the protocol channel (its
 original stdout): ``ready``, then ``start`` and ``result`` per task. Whatever
 the probes print goes to log files, never to the channel.
 
+A task whose index is ``"environment"`` is not a probe: it computes the
+doctor's torch section and shim trial (:func:`run_environment`), so that the
+doctor does not import torch and transformers a second time.
+
 Two modes:
 
 * ``fork`` (Linux): every probe runs in a child forked from this process after

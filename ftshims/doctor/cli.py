@@ -23,7 +23,7 @@ setup lint: --model CONFIG (a config.json or its directory; the model is built
 on the meta device, no weights), --adapter (adapter_config.json), --tokenizer
 DIR, --deepspeed DS_JSON, --train-config (TrainingArguments/SFTConfig JSON or
 LLaMA-Factory YAML; its `deepspeed` file is read too). Each finding has a
-severity, a rule id, the fix and a reference.
+severity, a rule id, the fix and a reference; --explain RULE says more about a rule.
 
 exit codes: 0 no known bug affects this stack unpatched and the lint found no
 error; 1 a known bug stays unpatched even with ftshims.apply() (shim disabled,
@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="YAML_OR_JSON",
         help="training config: TrainingArguments/SFTConfig as JSON, or LLaMA-Factory YAML",
     )
+    lint.add_argument("--explain", metavar="RULE", help="print what a lint rule checks and when it fires, and exit")
     parser.set_defaults(format="text")
     return parser
 
@@ -131,9 +132,27 @@ def _write(text: str) -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
+def _explain(parser: argparse.ArgumentParser, rule: str) -> str:
+    """The rule's explanation; an unknown rule is a usage error (exit 2) that names the closest rules."""
+    import difflib
+
+    from .lint.findings import RULES, explain
+
+    if rule in RULES:
+        return explain(rule)
+    close = difflib.get_close_matches(rule, list(RULES), n=3, cutoff=0.5)
+    close += [r for r in RULES if rule and rule in r and r not in close][: 3 - len(close)]
+    hint = f"did you mean: {', '.join(close)}?" if close else f"known rules: {', '.join(RULES)}"
+    parser.error(f"--explain: unknown rule {rule!r}; {hint}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     started = time.perf_counter()
-    args = build_parser().parse_args(argv)  # exits 2 on a usage error
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on a usage error
+    if args.explain is not None:
+        _write(_explain(parser, args.explain))
+        return 0
 
     from .report import Options, collect
     from .formats import render, to_json

@@ -146,6 +146,8 @@ def to_text(report: Dict[str, Any]) -> str:
     out.append("Packages")
     width = max((len(r["name"]) for r in report["packages"]), default=0) + 2
     out += [f"  {r['name']:<{width}}{_pkg_text(r)}" for r in report["packages"]]
+    if report.get("tested_stack", {}).get("message"):
+        out += ["", "Tested stack (ftshims/data/stacks.toml)", f"  {report['tested_stack']['message']}"]
 
     out.append("")
     out.append("flash-attn import (in a subprocess)")
@@ -248,6 +250,11 @@ def _v2_text(report: Dict[str, Any]) -> List[str]:
         for a in report["advisories"]:
             versions = ", ".join(f"{k} {v}" for k, v in (a.get("matched") or {}).items())
             out.append(f"  [{a.get('severity')}] {a.get('id')}: {a.get('title')}" + (f" ({versions})" if versions else ""))
+            condition = _applies_text(a, report)
+            if condition:
+                out.append(f"      applies  {condition}")
+            if a.get("applies") == "no":
+                continue
             if a.get("symptom"):
                 out.append(f"      symptom  {a['symptom']}")
             if a.get("remedy"):
@@ -263,7 +270,21 @@ def _v2_text(report: Dict[str, Any]) -> List[str]:
             out.append(f"      fix: {f.get('fix', '')}")
             if f.get("ref"):
                 out.append(f"      ref: {f['ref']}")
+            if f.get("explain") and f.get("explain") != f.get("ref"):
+                out.append(f"      more: {f['explain']}")
     return out
+
+
+def _applies_text(a: Dict[str, Any], report: Dict[str, Any]) -> str:
+    """Whether a model-specific advisory concerns the model; "" for one without a model condition."""
+    types = " or ".join(a.get("model_types") or [])
+    if a.get("applies") == "conditional":
+        return f"only if you train a {types} model (pass --model CONFIG to check)"
+    if a.get("applies") == "no":
+        return f"no: your model (--model) is not {types}"
+    if types:
+        return f"yes: your model (--model) is {types}"
+    return ""
 
 
 def _v2_markdown(report: Dict[str, Any]) -> List[str]:
@@ -280,10 +301,10 @@ def _v2_markdown(report: Dict[str, Any]) -> List[str]:
     if report["advisories"]:
         out += ["", "**Advisories**", ""]
         out += _table(
-            ["severity", "advisory", "matched", "remedy", "ref"],
+            ["severity", "advisory", "matched", "applies", "remedy", "ref"],
             [
                 [a.get("severity"), f"`{a.get('id')}` {a.get('title')}", ", ".join(f"{k} {v}" for k, v in (a.get("matched") or {}).items()),
-                 a.get("remedy"), (a.get("refs") or [None])[0]]
+                 _applies_text(a, report) or "yes", a.get("remedy"), (a.get("refs") or [None])[0]]
                 for a in report["advisories"]
             ],
         )
@@ -334,6 +355,8 @@ def to_markdown(report: Dict[str, Any]) -> str:
     out += ["", "<details><summary>Packages</summary>", ""]
     out += _table(["package", "version"], [[r["name"], _pkg_text(r)] for r in report["packages"]])
     out += ["", "</details>", ""]
+    if report.get("tested_stack", {}).get("message"):
+        out += [f"**Tested stack:** {report['tested_stack']['message']}", ""]
     fa = _flash_lines(report["flash_attn"])
     out.append(f"**flash-attn import:** {fa[0]}")
     out += [f"- {line}" for line in fa[1:]]

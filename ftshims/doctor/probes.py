@@ -23,6 +23,12 @@ from one shared queue. Each worker is watched by a thread of the doctor:
 * a worker that cannot start twice in a row (torch does not import, say)
   stops the run: the remaining probes are reported ``not run`` with the reason.
 
+The doctor's own torch section and shim trial are computed by the server too
+(``environment=``, fork mode only), in a forked child after its imports: the
+doctor's process then imports none of torch/transformers/peft/trl, which
+halves the CPU a ``--probe`` run needs (two imports of the same stack competed
+for two cores before).
+
 Opt-in ``speed`` shims are probed only with ``--probe-all``: their probes check
 the accuracy of a fast path and may compile a kernel (tens of seconds, a
 toolchain, files in a cache), which a diagnostic should not do unasked.
@@ -321,6 +327,9 @@ class ProbeRun:
                 self._runnable.append(task)
                 if shim.module.__name__ != f"ftshims.shims.{task.shim_id}":
                     self._extra[task.shim_id] = shim.module.__name__
+        if self._extra:  # the server's registry then differs from the doctor's: the doctor runs its own trial
+            self._environment_request = None
+            self._environment_done.set()
         if self.progress is not None and self._runnable:
             self._say(
                 f"ftshims doctor: probing {len(self._runnable)} shim(s), up to {self.jobs} at a time, "

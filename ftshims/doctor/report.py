@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from .. import verdicts
-from . import flashattn
+from . import flashattn, stacks
 from .environment import error_text, ftshims_info, platform_info, python_info, torch_info
 from .packages import BROKEN, collect_packages, package_names
 from .shims import (
@@ -111,6 +111,7 @@ def skeleton(options: Options) -> Dict[str, Any]:
         },
         "advisories": [],
         "findings": [],
+        "tested_stack": stacks.empty(),
         "summary": {},
         "timing": {"total_s": None, "sections": {}},
         "errors": [],
@@ -147,6 +148,9 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
     report["ftshims"] = steps.run("ftshims", ftshims_info, report["ftshims"])
     names = steps.run("packages", lambda: package_names(_registry_packages()), package_names(()))
     report["packages"] = steps.run("packages", lambda: collect_packages(names), [])
+    report["tested_stack"] = steps.run(
+        "tested_stack", lambda: stacks.tested_stack(stacks.installed_versions(report["packages"])), report["tested_stack"]
+    )
     fa_row = _row(report["packages"], "flash-attn")
     fa_version = fa_row.get("version")
 
@@ -325,12 +329,15 @@ def advisory_rows(
     checks = {}
     if flash_attn and flash_attn.get("status"):
         checks["flash_attn_import"] = flash_attn["status"]
+    # Matched on versions and checks only: whether the model type fits is judged per row (``applies``),
+    # so a model-specific advisory shows as conditional without --model instead of vanishing or counting.
     try:
-        found = module.matching(versions, checks=checks, model_type=model_type)
+        found = module.matching(versions, checks=checks)
     except TypeError:  # an older matching(versions) signature
         found = module.matching(versions)
     rows = []
     for item in found:
+        model_types = [str(t) for t in (_field_of(item, "model_types") or ())]
         when = _field_of(item, "when")
         named = _when_packages(dict(when) if hasattr(when, "items") else when)
         check = _field_of(item, "check")
@@ -350,9 +357,26 @@ def advisory_rows(
                 "fixed_in": {str(k): str(v) for k, v in dict(_field_of(item, "fixed_in") or {}).items()},
                 "verified": [str(v) for v in (_field_of(item, "verified") or ())],
                 "related_shims": [str(r) for r in (_field_of(item, "related_shims") or ())],
+                "model_types": model_types,
+                "applies": applies(model_types, model_type),
             }
         )
     return rows
+
+
+APPLIES_YES = "yes"
+APPLIES_CONDITIONAL = "conditional"
+APPLIES_NO = "no"
+
+
+def applies(model_types: List[str], model_type: Optional[str]) -> str:
+    """``yes``: no model condition, or --model is one of them; ``conditional``: it concerns certain model
+    types and the model is not known (no --model); ``no``: --model is another type."""
+    if not model_types:
+        return APPLIES_YES
+    if model_type is None:
+        return APPLIES_CONDITIONAL
+    return APPLIES_YES if model_type in model_types else APPLIES_NO
 
 
 def _registry_packages():
@@ -459,7 +483,8 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
         if result.get("status") in ("error", "timeout", "crashed", "not run"):
             warnings.append(f"probe {result.get('shim_id')} could not run ({result.get('status')}): {result.get('error')}")
     for advisory in report["advisories"]:
-        if advisory.get("severity") in ("error", "warning"):
+        # A model-specific advisory is a warning of this stack only once --model shows the model is that type.
+        if advisory.get("severity") in ("error", "warning") and advisory.get("applies", APPLIES_YES) == APPLIES_YES:
             warnings.append(f"advisory {advisory.get('id')} ({advisory.get('severity')}): {advisory.get('title')}")
     if report["errors"]:
         warnings.append(f"{_plural(len(report['errors']), 'doctor step')} failed: {', '.join(e['section'] for e in report['errors'])}")
@@ -501,9 +526,17 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
         report["options"].get(k) for k in ("adapter", "tokenizer", "deepspeed", "train_config")
     ):
         message += " Setup lint: no findings."
-    if report["advisories"]:
-        count = len(report["advisories"])
+    matching = [a for a in report["advisories"] if a.get("applies", APPLIES_YES) == APPLIES_YES]
+    conditional = [a for a in report["advisories"] if a.get("applies") == APPLIES_CONDITIONAL]
+    if matching:
+        count = len(matching)
         message += f" {_plural(count, 'advisory')} {'matches' if count == 1 else 'match'} this stack (see Advisories)."
+    if conditional:
+        message += (
+            f" {_plural(len(conditional), 'more advisory' if matching else 'advisory')} "
+            f"{'applies' if len(conditional) == 1 else 'apply'} only to "
+            "certain model types (--model CONFIG tells)."
+        )
     return {
         "exit_code": EXIT_UNPATCHED if problems else EXIT_OK,
         "known_bugs": known,

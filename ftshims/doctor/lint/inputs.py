@@ -35,7 +35,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 class Loader:
-    """Reads files, collecting ``file-unreadable`` / ``yaml-unsupported`` findings."""
+    """Reads files, collecting ``file-unreadable`` / ``config-invalid`` / ``yaml-unsupported`` findings."""
 
     def __init__(self, findings: List[Dict[str, Any]]):
         self.findings = findings
