@@ -176,6 +176,28 @@ CASES = {
         ({"transformers": "4.38.0.dev0"}, None, False),  # below 4.38.0
         ({"transformers": "4.39.0"}, None, False),
         ({"transformers": N}, None, False),
+    ],    "num_items_in_batch_overcount_4_46": [
+        ({"transformers": "4.46.0"}, None, True),
+        ({"transformers": "4.56.2"}, None, True),
+        ({"transformers": "4.45.2"}, None, False),
+        ({"transformers": "4.57.0"}, None, False),  # from here the num_items_in_batch_overcount shim applies
+        ({"transformers": N}, None, False),
+    ],
+    "gemma2_4_42_early_releases": [
+        ({"transformers": "4.42.0"}, None, True),
+        ({"transformers": "4.42.3"}, None, True),
+        ({"transformers": "4.41.2"}, None, False),
+        ({"transformers": "4.42.0.dev0"}, None, False),  # below 4.42.0
+        ({"transformers": "4.42.4"}, None, False),  # all three fixed
+        ({"transformers": N}, None, False),
+    ],
+    "trl_sft_double_bos_conversational": [
+        ({"trl": "0.15.0"}, None, True),
+        ({"trl": "0.16.1"}, None, True),
+        ({"trl": "0.14.0"}, None, False),  # detects the chat format and tokenizes without special tokens
+        ({"trl": "0.17.0"}, None, False),  # PR #3328
+        ({"trl": "0.17.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <0.17.0
+        ({"trl": N}, None, False),
     ],
 }
 
@@ -447,7 +469,7 @@ def test_matching_reads_installed_versions_when_none_given(monkeypatch):
         return fake.get(name)
 
     monkeypatch.setattr(advisories, "installed_version", installed)
-    assert [a.id for a in advisories.matching()] == ["ga_loss_scaling_4_48_0"]
+    assert [a.id for a in advisories.matching()] == ["ga_loss_scaling_4_48_0", "num_items_in_batch_overcount_4_46"]
     assert sorted(asked) == sorted(advisories.packages())
 
 
@@ -469,8 +491,8 @@ def test_the_pinned_stacks_see_the_expected_advisories():
                  {"trl_constant_length_dataset_packing", "ga_mean_of_micro_batch_means",
                   "llama_gemma_causal_mask_buffer_4_38"}),
         "s446": ({"transformers": "4.46.3", "trl": "0.12.2", "torch": "2.13.0+cpu"},
-                 {"trl_constant_length_dataset_packing", "ga_loss_scaling_4_46"}),
-        "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"}, set()),
+                 {"trl_constant_length_dataset_packing", "ga_loss_scaling_4_46", "num_items_in_batch_overcount_4_46"}),
+        "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"}, {"num_items_in_batch_overcount_4_46"}),
         "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"}, {"deepseek_v2_yarn_missing_mscale"}),
         "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"}, set()),
     }

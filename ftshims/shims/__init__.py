@@ -16,4 +16,8 @@ SHIM_IDS = (
     "packing_contamination_warning",
     "resize_embeddings_keeps_frozen",
     "kbit_prep_keeps_adapters_trainable",
+    "seqcls_pools_before_first_pad",
+    "peft_tied_embeddings_lost_on_merge",
+    "num_items_in_batch_overcount",
+    "trl_completion_only_template_miss",
 )

@@ -1,0 +1,163 @@
+"""``Trainer`` divides a causal LM's summed loss by one label too many per row.
+
+Why: since 4.46 the Trainer sums the token losses of all gradient-accumulation
+micro-batches and divides by ``num_items_in_batch``, which
+``Trainer._get_num_items_in_batch`` counts as ``labels.ne(-100)`` over the
+*unshifted* labels. ``ForCausalLMLoss`` scores ``labels[..., 1:]`` (or the
+``shift_labels`` a collator supplies): the label at position 0 is never a
+target. So every row whose first label is not -100 adds one to the denominator
+and the loss and gradients come out smaller by rows/tokens per step
+(0.1-1 % at usual lengths, 1/8 on an 8-token row); padded and padding-free
+batches of the same data disagree. Completion-only labels (position 0 already
+-100) are not affected. transformers PR #46204 (first released in 5.10.1;
+5.9.0 and earlier count every label) counts over ``labels[..., 1:]`` or
+``shift_labels`` when the model's loss is ``ForCausalLMLoss``.
+
+The fix: wrap ``Trainer._get_num_items_in_batch`` and, when the unwrapped
+model's ``loss_type`` maps to ``ForCausalLMLoss`` in ``LOSS_MAPPING`` (the
+upstream test), hand it shallow copies of the batches whose ``labels`` are the
+labels the loss scores (``shift_labels`` if present, else ``labels[..., 1:]``).
+The original then counts, gathers across devices and divides for DataParallel
+exactly as before; the batches used for training are not modified.
+
+Applies to transformers >=4.57,<5.10.1 (reproduced on 4.57.6; the same count is
+in 4.57.0, 5.0.0, 5.5.4 and 5.9.0). 4.46-4.56 count inline in
+``get_batch_samples``, with version-specific gathering: no narrow wrap point,
+so they get the advisory ``num_items_in_batch_overcount_4_46`` instead.
+Fallback: models whose loss does not shift labels (classification, masked LM,
+custom ``compute_loss_func`` on a model without ``loss_type``) and batches
+whose labels are not tensors pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .._util import acted
+from ..spec import Observation, ShimSpec, Target
+
+SPEC = ShimSpec(
+    id="num_items_in_batch_overcount",
+    title="Trainer counts position-0 labels a causal LM never scores into num_items_in_batch",
+    symptom="causal LM loss and gradients under-scaled by rows/tokens per step (the first label of each row is "
+    "counted but never predicted); padded and padding-free runs of the same data give different losses",
+    why="From transformers 4.46 to 5.9 the Trainer normalises the summed causal-LM loss by the number of labels "
+    "that are not -100, counting position 0 of every row, which the shifted loss never scores. The shim counts the "
+    "labels the loss scores, as 5.10.1 does.",
+    requires={"transformers": ">=4.57,<5.10.1"},
+    fixed_in={"transformers": "5.10.1"},
+    refs=(
+        "https://github.com/huggingface/transformers/pull/46204",
+        "https://github.com/huggingface/transformers/pull/46335",
+    ),
+    targets=(Target("transformers.trainer", "Trainer._get_num_items_in_batch", params=("batch_samples", "device")),),
+    modules=("transformers.trainer",),
+)
+
+
+def loss_shifts_labels(trainer) -> bool:
+    """Whether the trainer's model computes its loss with ``ForCausalLMLoss`` (the 5.10.1 test)."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return False
+    model = getattr(trainer, "model", None)
+    get_base = getattr(model, "get_base_model", None)  # a PeftModel
+    if callable(get_base):
+        try:
+            model = get_base()
+        except Exception:  # noqa: BLE001 - an unusual wrapper: keep the model as it is
+            pass
+    try:
+        loss_type = getattr(model, "loss_type", None)
+        return isinstance(loss_type, str) and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
+    except Exception:  # noqa: BLE001 - a model whose loss_type property raises: no decision, no change
+        return False
+
+
+def scored_labels(batch):
+    """The labels ``ForCausalLMLoss`` scores for ``batch``, or None when they cannot be told."""
+    shifted = batch.get("shift_labels") if hasattr(batch, "get") else None
+    if shifted is not None and hasattr(shifted, "ne"):
+        return shifted
+    labels = batch.get("labels") if hasattr(batch, "get") else None
+    if labels is None or not hasattr(labels, "ne") or getattr(labels, "dim", lambda: 0)() < 1:
+        return None
+    return labels[..., 1:]
+
+
+def _get_num_items_in_batch(wrapped, instance, args, kwargs):
+    if args:
+        batch_samples, rest = args[0], args[1:]
+    else:
+        batch_samples, rest = kwargs.pop("batch_samples", None), ()
+    if not batch_samples or not isinstance(batch_samples, list) or not loss_shifts_labels(instance):
+        return wrapped(batch_samples, *rest, **kwargs)
+    counted = []
+    for batch in batch_samples:
+        labels = scored_labels(batch) if hasattr(batch, "keys") and "labels" in batch else None
+        if labels is None:
+            return wrapped(batch_samples, *rest, **kwargs)  # not a plain causal-LM batch: leave it to upstream
+        copy = dict(batch)
+        copy["labels"] = labels
+        counted.append(copy)
+    acted(SPEC.id, "batches counted over the scored labels", len(counted))
+    return wrapped(counted, *rest, **kwargs)
+
+
+def install(patcher, options) -> None:
+    trainer = sys.modules["transformers.trainer"]
+    patcher.wrap(trainer.Trainer, "_get_num_items_in_batch", _get_num_items_in_batch)
+
+
+# ---------------------------------------------------------------------------
+# Reproduction
+
+LABELS = {
+    # every label a target (plain causal LM / SFT without completion masking), one row right-padded
+    "full": [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, -100, -100, -100]],
+    # completion-only: the prompt (position 0 included) masked
+    "completion_only": [[-100, -100, -100, 8, 9, 10, 11, 12], [-100, -100, 22, 23, 24, -100, -100, -100]],
+}
+
+
+def probe(labels: str = "full") -> Observation:
+    """A Trainer on a tiny Llama: does ``compute_loss`` with the Trainer's own ``num_items_in_batch``
+    equal the mean cross-entropy over the tokens the causal loss scores?"""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from .. import tiny
+
+    model = tiny.tiny_llama()
+    label_rows = torch.tensor(LABELS[labels])
+    input_ids = torch.where(label_rows == -100, torch.full_like(label_rows, 30), label_rows)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": label_rows}
+    with tempfile.TemporaryDirectory() as out, tiny.quiet():
+        args = _training_args(TrainingArguments, out)
+        trainer = Trainer(model=model, args=args)
+        device = torch.device("cpu")
+        num = trainer._get_num_items_in_batch([batch], device)
+        with torch.no_grad():
+            loss = float(trainer.compute_loss(model, dict(batch), num_items_in_batch=num))
+            logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"]).logits
+    target = label_rows[:, 1:]
+    reference = float(torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100))
+    scored = int(target.ne(-100).sum())
+    detail = f"num_items_in_batch={int(num)} for {scored} scored labels; loss {loss:.5f} vs mean CE {reference:.5f}"
+    if int(num) != scored or abs(loss - reference) > 1e-5 * max(1.0, abs(reference)):
+        return Observation(True, detail)
+    return Observation(False, detail)
+
+
+def _training_args(TrainingArguments, out):
+    import inspect
+
+    params = inspect.signature(TrainingArguments.__init__).parameters
+    kwargs = dict(output_dir=out, report_to=[], per_device_train_batch_size=2)
+    if "use_cpu" in params:
+        kwargs["use_cpu"] = True
+    return TrainingArguments(**kwargs)

@@ -1,0 +1,258 @@
+"""TRL's ``DataCollatorForCompletionOnlyLM`` drops a whole example from the loss when it misses the template.
+
+Why: the collator (TRL 0.6.0-0.19.x; removed in 0.20.0) looks for the response template's token ids (and the
+instruction template's, when one is given) inside ``batch["labels"]``, which the parent
+``DataCollatorForLanguageModeling`` has already pad-masked (every pad id is -100). On a miss it sets the whole
+row to -100 and emits a ``UserWarning``: the example then contributes nothing to the loss. TRL 0.4-0.5 raised a
+``RuntimeError`` instead. A miss is often not about one example but about every one of them:
+
+* the template contains the pad token (``pad = eos = <|im_end|>`` and a template that starts with
+  ``<|im_end|>``): those positions are -100 before the search, so it can never match and *every* example is
+  dropped (trl#1191);
+* the tokenizer encodes the template differently in context than alone (SentencePiece Llama-2/Mistral: trl#598,
+  trl#980): the text is there, the ids are not;
+* truncation cut the template off, or the data lacks it (trl#1183): the documented "ignored" case.
+
+When every row of a batch is dropped the loss is 0 (or NaN) and training silently does nothing; with one of the
+first two causes, a whole run trains on nothing while the warnings scroll by in the log.
+
+The guard: wrap ``DataCollatorForCompletionOnlyLM.torch_call``. Before the original runs it finds, with TRL's
+own criterion (the key's ids inside each example's ids with pad ids masked), which examples will miss, and why.
+Policy (option ``policy``, else ``FTSHIMS_COMPLETION_MISS_POLICY``, else ``auto``):
+
+* ``auto`` (default): a ``ValueError`` naming the row, its text and the cause when the cause makes the template
+  unmatchable (it contains the pad token, or it is tokenized differently in context) or when every example of
+  the batch would be dropped; an isolated miss in a batch that still trains (a truncated example) keeps TRL's
+  behaviour and gets one ftshims warning per collator with the count of such rows;
+* ``error``: a ``ValueError`` for every miss;
+* ``warn``: never raises; one warning per collator naming the first miss and its cause, rows dropped as TRL does.
+
+Nothing changes in the batches themselves: the guard decides only whether the call proceeds. Applies to
+trl >=0.6.0,<0.20.0. Fallback: a collator class without ``torch_call``/``response_token_ids`` skips the shim.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+from .._util import acted, user_stacklevel
+from ..spec import Choice, Observation, ProbeUnsupported, ShimSpec, Target
+
+ENV_POLICY = "FTSHIMS_COMPLETION_MISS_POLICY"
+POLICIES = ("auto", "error", "warn")
+
+SPEC = ShimSpec(
+    id="trl_completion_only_template_miss",
+    title="DataCollatorForCompletionOnlyLM silently drops examples that miss the template",
+    symptom="Examples whose response/instruction template is not found get all labels -100 (TRL only warns); a "
+    "template containing the pad token or tokenized differently in context drops every example, loss 0/NaN",
+    why="TRL 0.6-0.19 DataCollatorForCompletionOnlyLM masks a whole example when it cannot find the template in "
+    "the pad-masked labels; when the template contains the pad token or tokenizes differently in context that is "
+    "every example. The guard raises with the row and the cause instead.",
+    requires={"trl": ">=0.6.0,<0.20.0"},
+    fixed_in={},  # removed in TRL 0.20.0 (completion_only_loss on prompt/completion data replaces it)
+    refs=(
+        "https://github.com/huggingface/trl/issues/1191",
+        "https://github.com/huggingface/trl/issues/598",
+        "https://github.com/huggingface/trl/pull/622",
+        "https://github.com/huggingface/trl/issues/980",
+        "https://github.com/huggingface/trl/issues/1183",
+    ),
+    targets=(Target("trl.trainer.utils", "DataCollatorForCompletionOnlyLM.torch_call"),),
+    modules=("trl.trainer.utils",),
+    effect="guards",
+    options={"policy": "auto"},
+    choices={"policy": Choice(values=POLICIES, env=ENV_POLICY)},
+)
+
+log = logging.getLogger("ftshims")
+
+
+class TemplateMissError(ValueError):
+    """A completion-only collator would drop an example from the loss because it cannot find its template."""
+
+
+# ---------------------------------------------------------------------------
+# What TRL will do with each example, found before it does it
+
+
+def _ids_of(example):
+    ids = example.get("input_ids") if isinstance(example, dict) else example
+    if ids is None:
+        return None
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(t) for t in ids]
+
+
+def _contains(row, key) -> bool:
+    n = len(key)
+    return n > 0 and any(row[i : i + n] == key for i in range(len(row) - n + 1))
+
+
+def _cause(collator, ids, key, template, pad_id) -> tuple:
+    """(systematic, words) for a key that TRL's search will not find in ``ids``."""
+    if pad_id is not None and pad_id in key:
+        return True, (f"the template's ids {key} contain the pad token id {pad_id}, which the collator masks to -100 "
+                      "before it searches, so it can never match (trl#1191); use a template without the pad token, "
+                      "or a pad token distinct from eos")
+    text = None
+    tokenizer = getattr(collator, "tokenizer", None)
+    if isinstance(template, str) and tokenizer is not None:
+        try:
+            text = tokenizer.decode(ids)
+        except Exception:  # noqa: BLE001 (no text, no diagnosis beyond the ids)
+            text = None
+    if text is not None and template.strip() and template.strip() in text:
+        return True, (f"the template text {template!r} is in the example but its ids {key} are not: the tokenizer "
+                      "encodes it differently in context (trl#598); pass the ids of its in-context encoding "
+                      "as the template")
+    return False, (f"the template {template!r} (ids {key}) is not in the example ({len(ids)} tokens): truncated, or "
+                   "missing from the data")
+
+
+def misses(collator, examples) -> list:
+    """``[(row, key name, systematic, cause)]`` for the examples TRL's collator will drop."""
+    tokenizer = getattr(collator, "tokenizer", None)
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    keys = [("response", getattr(collator, "response_token_ids", None), getattr(collator, "response_template", None))]
+    if getattr(collator, "instruction_template", None) is not None:
+        keys.append(("instruction", getattr(collator, "instruction_token_ids", None), collator.instruction_template))
+    found = []
+    for row, example in enumerate(examples):
+        ids = _ids_of(example)
+        if ids is None:
+            return []  # a feature layout this guard does not know: say nothing rather than guess
+        searched = [-100 if t == pad_id else t for t in ids]
+        for name, key, template in keys:
+            if not key:
+                continue
+            key = [int(t) for t in key]
+            if not _contains(searched, key):
+                systematic, cause = _cause(collator, ids, key, template, pad_id)
+                found.append((row, name, systematic, cause, ids))
+                break  # one cause per row is enough: the row is dropped either way
+    return found
+
+
+def _describe(collator, miss) -> str:
+    row, name, _, cause, ids = miss
+    tokenizer = getattr(collator, "tokenizer", None)
+    try:
+        text = tokenizer.decode(ids) if tokenizer is not None else str(ids)
+    except Exception:  # noqa: BLE001
+        text = str(ids)
+    if len(text) > 160:
+        text = text[:160] + "..."
+    return f"row {row} ({text!r}) would get no labels: {name} template not found: {cause}"
+
+
+_WARNED: dict = {}
+
+
+def _guard(policy, wrapped, instance, args, kwargs):
+    examples = args[0] if args else kwargs.get("examples")
+    found = misses(instance, examples) if examples is not None else []
+    if found:
+        systematic = [m for m in found if m[2]]
+        every_row = len({m[0] for m in found}) == len(examples)
+        refuse = policy == "error" or (policy == "auto" and (systematic or every_row))
+        if refuse:
+            acted(SPEC.id, "batches refused")
+            first = systematic[0] if systematic else found[0]
+            whole = " (every example of this batch: its loss would be 0)" if every_row else ""
+            raise TemplateMissError(
+                f"DataCollatorForCompletionOnlyLM would drop {len(found)} of {len(examples)} examples from the loss"
+                f"{whole}. First: {_describe(instance, first)}. (ftshims guard trl_completion_only_template_miss; "
+                f"policy={policy}; set policy 'warn' or {ENV_POLICY}=warn to let TRL drop them)"
+            )
+        acted(SPEC.id, "examples dropped with a warning", len(found))
+        if id(instance) not in _WARNED:
+            _WARNED[id(instance)] = True
+            warnings.warn(
+                f"trl_completion_only_template_miss: DataCollatorForCompletionOnlyLM drops {len(found)} of "
+                f"{len(examples)} examples of this batch from the loss; {_describe(instance, found[0])} "
+                "(said once per collator; ftshims counts them in status())",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+    return wrapped(*args, **kwargs)
+
+
+def install(patcher, options) -> None:
+    from ..spec import TargetMissing
+
+    utils = sys.modules["trl.trainer.utils"]
+    cls = getattr(utils, "DataCollatorForCompletionOnlyLM", None)
+    if cls is None or "torch_call" not in vars(cls):
+        raise TargetMissing("trl.trainer.utils.DataCollatorForCompletionOnlyLM.torch_call is missing")
+    # apply() has checked the option and FTSHIMS_COMPLETION_MISS_POLICY (ftshims.settings) and put the winner here.
+    policy = options.get("policy") or "auto"
+
+    def torch_call(wrapped, instance, args, kwargs):
+        return _guard(policy, wrapped, instance, args, kwargs)
+
+    patcher.wrap(cls, "torch_call", torch_call)
+
+
+# ---------------------------------------------------------------------------
+# Reproduction
+
+_WORDS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>", "user", "assistant", "###", "Answer:"] + list("abcdefgh")
+
+
+def tokenizer():
+    """A WordLevel tokenizer with ChatML-style markers; pad = eos = ``<|im_end|>`` (the Qwen setup of trl#1191)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(_WORDS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<unk>")
+
+
+SCENARIOS = {
+    # (response template, texts of the batch)
+    "pad_in_template": ("<|im_end|> <|im_start|> assistant",
+                        ["<|im_start|> user a b <|im_end|> <|im_start|> assistant c d <|im_end|>",
+                         "<|im_start|> user e <|im_end|> <|im_start|> assistant f g h <|im_end|>"]),
+    "truncated": ("### Answer:", ["a b ### Answer: c d", "e f g h a b c"]),
+    "all_missing": ("### Answer:", ["a b c d", "e f g h"]),
+    "healthy": ("### Answer:", ["a b ### Answer: c d", "e ### Answer: f g h"]),
+}
+
+
+def probe(case: str = "pad_in_template") -> Observation:
+    """Collate the examples of ``SCENARIOS[case]`` with DataCollatorForCompletionOnlyLM: is an example dropped
+    from the loss (all labels -100) without an error that names the row and the cause?"""
+    try:
+        from trl.trainer.utils import DataCollatorForCompletionOnlyLM
+    except ImportError:
+        raise ProbeUnsupported("this TRL has no DataCollatorForCompletionOnlyLM") from None
+    template, texts = SCENARIOS[case]
+    scenario = case
+    tok = tokenizer()
+    collator = DataCollatorForCompletionOnlyLM(template, tokenizer=tok, mlm=False)
+    features = [{"input_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            batch = collator(features)
+        except TemplateMissError as exc:
+            text = str(exc)
+            if "row " in text and "template not found" in text:
+                return Observation(False, f"{scenario}: refused with a clear error: {text[:160]}...")
+            return Observation(True, f"{scenario}: an error without the row and cause: {text[:160]}")
+        except RuntimeError as exc:  # TRL <0.6 raised on a miss (outside the range)
+            return Observation(False, f"{scenario}: TRL raised on the miss: {str(exc)[:120]}")
+    labels = batch["labels"]
+    dropped = [i for i in range(labels.shape[0]) if bool((labels[i] == -100).all())]
+    if dropped:
+        return Observation(True, f"{scenario}: rows {dropped} of {labels.shape[0]} silently dropped from the loss "
+                                 f"(all labels -100), {int((labels != -100).sum())} supervised tokens left")
+    return Observation(False, f"{scenario}: every row keeps its completion labels "
+                              f"({int((labels != -100).sum())} supervised tokens)")
