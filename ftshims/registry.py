@@ -10,10 +10,30 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 from .shims import SHIM_IDS
 from .spec import ShimSpec
+
+
+@runtime_checkable
+class ShimModule(Protocol):
+    """What a module in ``ftshims/shims/`` provides (checked when the registry loads it).
+
+    ``SPEC`` is its :class:`~ftshims.spec.ShimSpec`; ``install(patcher, options)``
+    makes every change through the :class:`~ftshims.patching.Patcher` (raising
+    ``TargetMissing`` when a target is absent or changed); an optional
+    ``probe(**scenario) -> Observation`` reproduces the bug on a tiny model, for
+    the tests and the doctor. Adding a shim, the checklist (tests/test_shim_checklist.py
+    enforces it): the module; its id in ``SHIM_IDS``; ``tests/test_shim_<id>.py``,
+    whose tests fail against a no-op version (``nox -s mutation_check``); evidence
+    from a matrix run (``python -m ftshims.matrix --evidence DIR --record``); the
+    regenerated COMPAT_MATRIX.md (``python -m ftshims.matrix``).
+    """
+
+    SPEC: ShimSpec
+
+    def install(self, patcher: Any, options: Mapping[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,8 @@ def shims() -> Dict[str, Shim]:
         for shim_id in SHIM_IDS:
             try:
                 module = importlib.import_module(f"ftshims.shims.{shim_id}")
+                if not isinstance(module, ShimModule) or not isinstance(getattr(module, "SPEC", None), ShimSpec):
+                    raise RuntimeError(f"ftshims/shims/{shim_id}.py lacks SPEC = ShimSpec(...) or install(patcher, options)")
                 spec = module.SPEC
                 if spec.id != shim_id:
                     raise RuntimeError(f"ftshims/shims/{shim_id}.py declares id {spec.id!r}")
