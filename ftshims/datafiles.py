@@ -38,6 +38,12 @@ def matrix_stacks() -> List[str]:
     return [name for name, info in stacks().items() if not info.get("default") and "session" not in info]
 
 
+def evidence_stacks() -> List[str]:
+    """Stacks whose test run records evidence for the matrix (all but those marked ``evidence = false``,
+    e.g. the client frameworks' session, which tests ftshims inside other tools)."""
+    return [name for name, info in stacks().items() if info.get("evidence", True)]
+
+
 def pinned_versions(stack: str) -> Dict[str, str]:
     """``{distribution: version}`` of a stack's ``==`` pins."""
     return dict(pin.split("==", 1) for pin in stacks()[stack]["pins"] if "==" in pin)

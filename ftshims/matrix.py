@@ -122,7 +122,7 @@ def load_verified() -> dict:
 def record(directory: Path) -> dict:
     """Replace verified.json by what this run's evidence supports (every stack must be in the run)."""
     fresh, problems = verified_from_evidence(directory)
-    missing = [s for s in datafiles.stacks() if s not in fresh["stacks"]]
+    missing = [s for s in datafiles.evidence_stacks() if s not in fresh["stacks"]]
     if missing:
         problems.append(f"no evidence for stack(s) {', '.join(missing)}")
     if problems:
@@ -137,7 +137,7 @@ def compare_evidence(directory: Path, require_all: bool = True) -> List[str]:
     committed = load_verified()
     ran = set(fresh["stacks"])
     if require_all:
-        missing = [s for s in datafiles.stacks() if s not in ran]
+        missing = [s for s in datafiles.evidence_stacks() if s not in ran]
         if missing:
             problems.append(f"no evidence for stack(s) {', '.join(missing)}")
     for shim_id, per_stack in fresh["shims"].items():
@@ -248,7 +248,7 @@ def render() -> str:
         "applied. Cells give the verdict and `reproduced/scenarios`.",
         "",
     ]
-    names = list(all_stacks)
+    names = datafiles.evidence_stacks()
     lines.append("| shim | " + " | ".join(f"`{n}`" for n in names) + " |")
     lines.append("|---|" + "---|" * len(names))
     for shim_id in shims:
