@@ -136,7 +136,7 @@ def _explain(parser: argparse.ArgumentParser, rule: str) -> str:
     """The rule's explanation; an unknown rule is a usage error (exit 2) that names the closest rules."""
     import difflib
 
-    from .lint.findings import RULES, explain
+    from ..lint.findings import RULES, explain
 
     if rule in RULES:
         return explain(rule)

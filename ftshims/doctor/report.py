@@ -255,7 +255,7 @@ def _collect_probes(run, report: Dict[str, Any]) -> None:
 
 
 def _lint(options: Options, report: Dict[str, Any]) -> List[Dict[str, Any]]:
-    from . import lint
+    from .. import lint
 
     return lint.run(
         lint.Inputs(
