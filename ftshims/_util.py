@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional
 
 _IS_COMPILING: Optional[Callable[[], bool]] = None
@@ -39,11 +40,22 @@ def cache_length(past) -> int:
         return 0
 
 
+_WARN_LOCK = threading.Lock()
+
+
 def warn_once(seen: set, key: Any, emit: Callable[[], None]) -> bool:
-    """Call ``emit()`` the first time ``key`` is seen in ``seen``; True when it did."""
-    if key in seen:
+    """Call ``emit()`` the first time ``key`` is seen in ``seen``; True when it did.
+
+    The one warn-once of ftshims (the shims and the kernel keep their own ``seen``
+    sets: per process, per model...). Thread-safe; never inside a ``torch.compile``
+    trace, where a Python side effect has no place.
+    """
+    if _IS_COMPILING is not None and _IS_COMPILING():
         return False
-    seen.add(key)
+    with _WARN_LOCK:
+        if key in seen:
+            return False
+        seen.add(key)
     emit()
     return True
 

@@ -19,7 +19,6 @@ would be skipped there with "target missing".
 from __future__ import annotations
 
 import ast
-import io
 import os
 import subprocess
 import sys

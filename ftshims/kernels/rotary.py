@@ -45,8 +45,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Dict, Optional, Tuple
+
+from .._util import warn_once
 
 log = logging.getLogger("ftshims")
 
@@ -72,20 +73,11 @@ class BackendUnavailable(RuntimeError):
 
 
 _WARNED = set()
-_WARN_LOCK = threading.Lock()
 _INV_FREQ_CACHE: Dict[tuple, object] = {}
 
 
 def _warn_once(message: str) -> None:
-    import torch
-
-    if torch.compiler.is_compiling():
-        return
-    with _WARN_LOCK:
-        if message in _WARNED:
-            return
-        _WARNED.add(message)
-    log.warning("%s", message)
+    warn_once(_WARNED, message, lambda: log.warning("%s", message))
 
 
 # ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import contextvars
 import inspect
 import logging
 import sys
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 from .._util import compiling
 
@@ -366,15 +366,6 @@ def handing_down(mask):
             PASS_THROUGH.reset(token)
 
     return scope()
-
-
-_WARNED = set()
-
-
-def warn_once(key, message: str, *args) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        log.warning(message, *args)
 
 
 # ---------------------------------------------------------------------------

@@ -72,7 +72,7 @@ import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from .._util import acted, cache_length, compiling, user_stacklevel
+from .._util import acted, cache_length, compiling, user_stacklevel, warn_once
 from ..spec import Choice, Observation, ProbeUnsupported, ShimSpec, Target
 
 ENV_POLICY = "FTSHIMS_MAX_POSITIONS_POLICY"
@@ -378,11 +378,8 @@ def _message(profile: _Profile, side: _Side, need: int, new: int, past: int, pol
 
 
 def _warn_once(model, key: str, message: str) -> None:
-    seen = _WARNED.setdefault(model, set())
-    if key in seen:
-        return
-    seen.add(key)
-    warnings.warn(message, PositionLimitWarning, stacklevel=user_stacklevel())
+    warn_once(_WARNED.setdefault(model, set()), key,
+              lambda: warnings.warn(message, PositionLimitWarning, stacklevel=user_stacklevel()))
 
 
 def _truncate(call: _Call, profile: _Profile, side: _Side, names, new: int, past: int, keep: int) -> None:

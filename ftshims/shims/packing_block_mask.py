@@ -39,9 +39,14 @@ missing is skipped (recorded in the shim's notes).
 
 from __future__ import annotations
 
-from .._util import acted, compiling
+import logging
+
+from .._util import acted, compiling, warn_once
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from . import _packing
+
+log = logging.getLogger("ftshims")
+_WARNED = set()  # model classes told once that a packed batch was left alone
 
 SPEC = ShimSpec(
     id="packing_block_mask",
@@ -94,13 +99,11 @@ def _forward(wrapped, instance, call, family):
         return wrapped(**call)
     segment_ids, real = found
     if window is not None and max(_packing.segment_lengths(segment_ids, real)) > window:
-        _packing.warn_once(
-            ("packing_block_mask", "window", type(instance).__name__),
+        name = type(instance).__name__
+        warn_once(_WARNED, name, lambda: log.warning(
             "packing_block_mask left a packed batch of %s alone: an example is longer than the "
-            "sliding window (%d), which one 4D mask cannot express",
-            type(instance).__name__,
-            window,
-        )
+            "sliding window (%d), which one 4D mask cannot express", name, window,
+        ))
         return wrapped(**call)
     allowed = _packing.allowed_pairs(segment_ids, real)
     block = _packing.to_form(allowed, _packing.ADDITIVE, _packing.embed_dtype(instance, call))

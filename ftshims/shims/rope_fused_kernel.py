@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 import threading
 
 from .._util import acted, compiling
