@@ -68,7 +68,7 @@ DEFAULT_STACK_ONLY = (
     "tests/kernels/",
     "tests/test_canary.py",
     "tests/test_distributed.py",
-    "tests/test_doctor_lint.py",
+    "tests/test_lint.py",
     "tests/test_flash_attn_upstream_rotary.py",
     "tests/test_lifecycle.py",
     "tests/test_matrix.py",

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ftshims.doctor import cli, lint
-from ftshims.doctor.lint import findings as findings_mod
-from ftshims.doctor.lint import rules as rules_mod
+from ftshims import lint
+from ftshims.doctor import cli
+from ftshims.lint import findings as findings_mod
+from ftshims.lint import rules as rules_mod
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "lint"
 LLAMA = str(FIX / "models" / "llama_tiny")
@@ -272,7 +273,7 @@ def test_model_found_through_model_name_or_path():
 def test_skeleton_model_is_on_meta_and_fast():
     import time
 
-    from ftshims.doctor.lint.model import build_model
+    from ftshims.lint.model import build_model
 
     data = json.loads((FIX / "realistic" / "model" / "config.json").read_text())
     started = time.perf_counter()

@@ -29,7 +29,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ...versions import older_than
+from ..versions import older_than
 from . import deepspeed as ds_rules
 from . import llamafactory as lf
 from . import rules
@@ -55,7 +55,7 @@ class Context:
     """What the rules read: the parsed inputs, lazily built model/tokenizer facts, versions and shim states."""
 
     def __init__(self, inputs: Inputs, shim_rows: Optional[List[Dict[str, Any]]] = None):
-        from ...versions import installed_versions
+        from ..versions import installed_versions
 
         self.inputs = inputs
         self.findings: List[Dict[str, Any]] = []
@@ -276,7 +276,7 @@ class Context:
 
     def shim_state(self, shim_id: str) -> Dict[str, Any]:
         """``{"id", "registered", "affected", "applies", "why"}`` from the doctor's trial rows, else the registry."""
-        from ... import registry
+        from .. import registry
 
         state = {"id": shim_id, "registered": False, "affected": False, "applies": False, "why": "not registered"}
         if self.shim_rows is not None:
@@ -291,8 +291,8 @@ class Context:
             registry.get(shim_id)
         except ValueError:
             return state
-        from ..._manager import selection
-        from ...probing import in_affected_range
+        from .._manager import selection
+        from ..probing import in_affected_range
 
         affected, reason = in_affected_range(shim_id)
         skip, why = selection(registry.get(shim_id))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable, Dict, Optional
 
-from ...versions import older_than
+from ..versions import older_than
 from .findings import ERROR, INFO, WARNING, finding
 from .inputs import TrainView, as_bool, as_number
 

@@ -1,7 +1,7 @@
 """The lint rules over the model, the adapter, the tokenizer and the training recipe.
 
-Each ``check_*`` function reads the :class:`~ftshims.doctor.lint.Context` and
-adds findings; :func:`ftshims.doctor.lint.run` calls each one in a guard, so a
+Each ``check_*`` function reads the :class:`~ftshims.lint.Context` and
+adds findings; :func:`ftshims.lint.run` calls each one in a guard, so a
 rule that raises costs its own findings only (reported as ``lint-rule-failed``).
 """
 
