@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 _RECORDS: dict = {}
 
@@ -88,7 +86,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getoption("--noop-shim"):
-        from noop_shims import make_noop
+        from tests.noop_shims import make_noop
 
         make_noop(config.getoption("--noop-shim"))
 

@@ -74,7 +74,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from test_shim_flash_attn_rotary import VERSIONS, missing, sources
+from tests.test_shim_flash_attn_rotary import VERSIONS, missing, sources
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_FILE = "tests/test_rotary.py"

@@ -7,7 +7,7 @@ import sys
 import threading
 
 import pytest
-from fakes import FakeWorld, add_one_more, wrap_add
+from tests.fakes import FakeWorld, add_one_more, wrap_add
 
 import ftshims
 from ftshims import _manager, patching

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims.report import NOT_NEEDED

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from packaging.version import Version
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims.spec import ProbeUnsupported

@@ -4,7 +4,7 @@ tests/gpu/test_packing_flash_attn.py when CUDA and flash_attn are present."""
 
 import pytest
 import torch
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims import registry

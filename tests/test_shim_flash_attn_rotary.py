@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 torch = pytest.importorskip("torch")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from shimcheck import assert_bug_and_fix
-from test_shim_flash_attn_rotary import _tables, fa_modules, fa_version  # noqa: F401  (fa_version: the fixture)
+from tests.shimcheck import assert_bug_and_fix
+from tests.test_shim_flash_attn_rotary import _tables, fa_modules, fa_version  # noqa: F401  (fa_version: the fixture)
 
 torch = pytest.importorskip("torch")
 

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 from packaging.version import Version
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims.versions import installed_version

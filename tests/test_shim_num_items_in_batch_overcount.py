@@ -2,7 +2,7 @@
 loss scores (transformers 4.57-5.10.0 counted position 0 of every row as well)."""
 
 import pytest
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims import registry

@@ -7,7 +7,7 @@ per-example position_ids and labels[pos == 0] = -100.
 
 import pytest
 import torch
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims import registry

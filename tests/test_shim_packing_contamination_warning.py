@@ -3,7 +3,7 @@
 import warnings
 
 import pytest
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims import registry

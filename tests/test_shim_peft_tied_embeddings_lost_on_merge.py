@@ -2,7 +2,7 @@
 saved and reloaded, gives the trained model's logits (peft <0.19 kept tie_word_embeddings=True)."""
 
 import pytest
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims import tiny

@@ -2,7 +2,7 @@
 also when the pad id (= eos) occurs inside the text (transformers <4.49 scored the token before the first pad)."""
 
 import pytest
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims import registry

@@ -4,7 +4,7 @@ from the loss silently when it cannot find the template: the guard names the row
 import warnings
 
 import pytest
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims import registry

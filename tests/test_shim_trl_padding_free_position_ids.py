@@ -4,7 +4,7 @@ for every attention implementation (per-example position_ids, no target across a
 import dataclasses
 
 import pytest
-from shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix
 
 import ftshims
 from ftshims import registry

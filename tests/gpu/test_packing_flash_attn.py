@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shimcheck import assert_bug_and_fix  # noqa: E402
+from tests.shimcheck import assert_bug_and_fix  # noqa: E402
 
 from ftshims.shims import _packing  # noqa: E402
 
