@@ -25,11 +25,22 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import registry, settings
 from ._util import actions_of, forget_actions
-from .patching import LOCK, Patcher, is_loaded, on_import, require_params, resolve, settle, wait_for_inflight_imports
+from .patching import (
+    LOCK,
+    Patcher,
+    foreign_origin,
+    is_loaded,
+    is_shim_wrapper,
+    on_import,
+    require_params,
+    resolve,
+    settle,
+    wait_for_inflight_imports,
+)
 from .report import (
     APPLIED,
     DEFERRED,
@@ -122,7 +133,7 @@ def _check_declared_targets(shim, versions) -> None:
 def _install(shim, record: _Record) -> None:
     """Install one shim now. Caller holds LOCK and has checked every module is imported."""
     versions = installed_versions(shim.spec.requires)
-    patcher = Patcher(shim.id, on_part_error=_part_failed)
+    patcher = Patcher(shim.id, on_part_error=_part_failed, own=own_packages(shim.spec))
     record.patcher = patcher
     try:
         _check_declared_targets(shim, versions)
@@ -147,8 +158,53 @@ def _install(shim, record: _Record) -> None:
         return
     record.status = APPLIED
     record.reason = ", ".join(f"{k} {versions[k]}" for k in shim.spec.requires)
-    forget_actions(shim.id)  # counts start with this installation
     _info(shim.id, APPLIED, record.reason)
+
+
+def own_packages(spec) -> Tuple[str, ...]:
+    """Top-level modules whose objects are not foreign in this shim's targets: what it requires and patches."""
+    names = {name.replace("-", "_").split(".", 1)[0] for name in spec.requires}
+    names.update(target.module.split(".", 1)[0] for target in spec.targets)
+    return tuple(sorted(names))
+
+
+def foreign_targets(spec, skip: Tuple[str, ...] = ()) -> Dict[str, str]:
+    """``{target: origin}`` for the declared targets of ``spec`` that another patcher has replaced (imported modules only).
+
+    ``skip``: slot descriptions the shim patched itself (their foreign state is reported by its Patcher).
+    """
+    import inspect
+
+    found: Dict[str, str] = {}
+    own = own_packages(spec)
+    for target in spec.targets:
+        module = sys.modules.get(target.module)
+        if module is None or not is_loaded(target.module):
+            continue
+        try:
+            owner, attr = resolve(module, target.qualname)
+            value = inspect.getattr_static(owner, attr)
+        except (TargetMissing, AttributeError):
+            continue
+        while is_shim_wrapper(value):  # ftshims' own layers: judge what they wrap
+            value = getattr(value, "__wrapped__", None)
+        if any(target.dotted == s or target.dotted.endswith("." + s) for s in skip):
+            continue
+        origin = foreign_origin(owner, value, own)
+        if origin:
+            found[target.dotted] = origin
+    return found
+
+
+def _notes(shim, record: "_Record") -> List[str]:
+    """The notes of an active shim: its own, foreign take-overs of its slots, and foreign code on its declared targets."""
+    if record.patcher is None:
+        return []
+    notes = list(record.patcher.notes) + record.patcher.foreign_notes()
+    for dotted, origin in foreign_targets(shim.spec, tuple(record.patcher.patched)).items():
+        if not any(origin in note for note in notes):
+            notes.append(f"target {dotted} holds foreign code ({origin}), replaced by another patcher: {shim.id} left it alone")
+    return notes
 
 
 def _part_failed(shim_id: str, exc: BaseException) -> None:
@@ -167,6 +223,7 @@ def _part_failed(shim_id: str, exc: BaseException) -> None:
 
 
 def _activate(shim, record: _Record) -> None:
+    forget_actions(shim.id)  # counts start with this apply(), whether the install is now or deferred
     missing = [m for m in shim.spec.modules if not is_loaded(m)]
     if not missing:
         _install(shim, record)
@@ -262,7 +319,7 @@ def status() -> Report:
                     versions=installed_versions(shim.spec.requires),
                     patched=list(record.patcher.patched) if record.patcher else [],
                     waiting=list(record.patcher.waiting) if record.patcher else [],
-                    notes=list(record.patcher.notes) if record.patcher else [],
+                    notes=_notes(shim, record),
                     evidence=_evidence(shim.spec, record.status),
                     actions=actions_of(shim.id),
                 )
@@ -313,7 +370,8 @@ def notes(shim_id: str) -> List[str]:
     """Parts of an applied shim that were skipped (for example a model lacking the target)."""
     with LOCK:
         record = _RECORDS.get(shim_id)
-        return list(record.patcher.notes) if record and record.patcher else []
+        shim = registry.shims().get(shim_id)
+        return _notes(shim, record) if record and shim else []
 
 
 def export_to_children(**arguments) -> None:

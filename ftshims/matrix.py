@@ -262,7 +262,7 @@ def render() -> str:
     for stack, info in all_stacks.items():
         pins = datafiles.pinned_versions(stack)
         recorded = verified["stacks"].get(stack, {}).get("versions", {})
-        torch_version = recorded.get("torch") or "2.13.0"
+        torch_version = recorded.get("torch") or "?"
         cols = [pins.get(k, recorded.get(k) or "?") for k in ("transformers", "peft", "trl", "accelerate", "datasets")]
         lines.append(f"| `{stack}` | {torch_version} | " + " | ".join(cols) + f" | {_md(info.get('note', ''))} |")
     lines += ["", "## Shim details", ""]

@@ -15,6 +15,20 @@ then every active layer on top", so that
   into pass-throughs (each wrapper checks its layer's ``active`` flag) and a
   warning says so, instead of clobbering the other patch.
 
+*Foreign patches* (Liger, unsloth, axolotl, LLaMA-Factory and the like replacing
+the same targets) are detected both ways and reported in ``status()`` notes
+(:func:`foreign_origin`, :meth:`Patcher.foreign_notes`):
+
+* already there when ftshims patches the slot (the object's code lives outside
+  the package it is found in): a *wrapper* composes with it (ftshims' layer
+  calls the foreign function) and a note says so; an outright replacement
+  (``replace``/``set_item``) would discard the other patch, so it steps aside
+  (:class:`ForeignPatch`, a :class:`TargetMissing`: the shim, or that part of
+  it, is skipped with the reason);
+* arriving after ftshims (the slot no longer holds what ftshims wrote): the
+  slot is no longer counted as patched, a note says whether the newcomer still
+  calls ftshims' wrapper, and ``revert()`` leaves the newcomer in place.
+
 A wrapper is a *plain Python function* whenever the patched object is one
 (module functions, methods defined in a class body, registry entries): it
 carries ``__wrapped__`` and the original's name and signature, and
@@ -50,6 +64,121 @@ log = logging.getLogger("ftshims")
 LOCK = threading.RLock()
 
 _MISSING = object()
+
+
+class ForeignPatch(TargetMissing):
+    """A target ftshims would replace outright already holds another patcher's object: ftshims steps aside."""
+
+
+def _top(name: Optional[str]) -> str:
+    return (name or "").split(".", 1)[0]
+
+
+def _home_module(container: Any) -> Optional[str]:
+    """The module a slot belongs to: the module itself, a class's module, else the container's type's module."""
+    if inspect.ismodule(container):
+        return container.__name__
+    if isinstance(container, type):
+        return container.__module__
+    return getattr(type(container), "__module__", None)
+
+
+def _package_dirs(names: Iterable[str]) -> List[str]:
+    """Directories (with a trailing separator) of the imported top-level packages ``names``, and the stdlib."""
+    import os
+
+    dirs = []
+    for name in names:
+        top = sys.modules.get(name)
+        for path in list(getattr(top, "__path__", None) or []):
+            dirs.append(os.path.abspath(path) + os.sep)
+        if not getattr(top, "__path__", None) and getattr(top, "__file__", None):
+            dirs.append(os.path.abspath(top.__file__))
+    return dirs + list(_stdlib_dirs())
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_dirs() -> Tuple[str, ...]:
+    """The standard library's directory (``os``'s), never site-packages: in a venv sysconfig's ``platstdlib``
+    is the venv's ``lib/python3.X``, which holds site-packages too."""
+    import os
+
+    return (os.path.dirname(os.path.abspath(os.__file__)) + os.sep,)
+
+
+def _code_of(value: Any) -> Any:
+    """The function whose code runs when ``value`` is called (through bound methods, partials, descriptors)."""
+    for _ in range(8):
+        if isinstance(value, (staticmethod, classmethod, types.MethodType)):
+            value = value.__func__
+        elif isinstance(value, functools.partial):
+            value = value.func
+        else:
+            break
+    return value
+
+
+def describe_object(value: Any) -> str:
+    """``module.qualname`` of what runs when ``value`` is called, with its file where ``__module__`` misleads."""
+    import os
+
+    func = _code_of(value)
+    module = getattr(func, "__module__", None) or "?"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
+    code = getattr(func, "__code__", None)
+    where = f"{module}.{name}"
+    if code is not None and not code.co_filename.startswith("<"):
+        expected = module.replace(".", os.sep)
+        if not (code.co_filename.endswith(expected + ".py") or code.co_filename.endswith(os.path.join(expected, "__init__.py"))):
+            where += f" ({code.co_filename}:{code.co_firstlineno})"
+    return where
+
+
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"builtins", "__future__"}
+
+
+def foreign_origin(container: Any, value: Any, own: Iterable[str] = ()) -> Optional[str]:
+    """Where ``value`` comes from when it is *foreign* in ``container``: another patcher put it there. Else None.
+
+    ``own``: top-level packages whose objects legitimately sit in the slot besides the slot's own
+    package (the shim's required packages: a transformers module holding a torch function is not a
+    foreign patch); ``torch``, ``ftshims`` and the standard library always count as own.
+
+    Foreign: a function (also reached through a bound method, partial, classmethod) whose code file
+    lies outside every own package's directory (this catches ``functools.wraps`` wrappers, which copy
+    the ``__module__``/``__qualname__`` of what they wrap, and code defined in ``__main__``), or a
+    class or other object whose ``__module__`` names no own package. ftshims' wrappers are never
+    foreign; constants and objects without a module are never judged.
+    """
+    if value is None or value is _MISSING or is_shim_wrapper(value):
+        return None
+    home = _home_module(container)
+    if not home:
+        return None
+    allowed = {_top(home), "torch", "ftshims", *(_top(n) for n in own)}
+    func = _code_of(value)
+    if is_shim_wrapper(func):
+        return None
+    module = getattr(func, "__module__", None)
+    if not isinstance(module, str):
+        return None
+    code = getattr(func, "__code__", None)
+    if code is not None and not code.co_filename.startswith("<") and _top(module) != "__main__":
+        import os
+
+        filename = os.path.abspath(code.co_filename)
+        for directory in _package_dirs(sorted(allowed)):
+            if filename.startswith(directory):
+                rest = filename[len(directory):]
+                if directory in _stdlib_dirs() and ("site-packages" in rest or "dist-packages" in rest):
+                    continue
+                return None
+        return describe_object(func)
+    if not (callable(func) or isinstance(func, type)):
+        return None
+    if _top(module) in allowed or _top(module) in _STDLIB:
+        return None
+    return describe_object(func)
 
 
 # Whether each layer is active, by layer key. A module-level dict, not an attribute of the layer
@@ -133,6 +262,20 @@ class _Slot:
         """True when the slot no longer holds what we last wrote (someone re-patched it)."""
         return self.written is not _MISSING and self._read_own() is not self.written
 
+    def takeover(self) -> Optional[str]:
+        """A note when someone re-patched the slot after ftshims: who, and whether ftshims' layer still runs."""
+        if not self.tampered():
+            return None
+        now = self._read_own()
+        chained = _calls_into(now, self.written)
+        who = describe_object(now) if now is not _MISSING else "nothing (deleted)"
+        effect = (
+            "it wraps ftshims' wrapper, which still runs inside it"
+            if chained
+            else "ftshims' wrapper there is no longer called (unless the new code calls it); revert() will leave the new code in place"
+        )
+        return f"{self.describe()} was replaced by foreign code after ftshims patched it ({who}): {effect}"
+
     def rebuild(self) -> None:
         if self.tampered():
             log.warning(
@@ -154,6 +297,30 @@ class _Slot:
     def current(self) -> Any:
         """What code that reads this slot now gets: our top layer, or the original."""
         return self.original if self.written is _MISSING else self.written
+
+
+def _calls_into(outer: Any, target: Any) -> bool:
+    """Whether ``outer`` keeps ``target`` to call: through ``__wrapped__`` (functools.wraps) or a closure cell."""
+    seen = set()
+    todo = [outer]
+    while todo and len(seen) < 32:
+        value = _code_of(todo.pop())
+        if value is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if value is target:
+            return True
+        if is_shim_wrapper(value):
+            continue
+        wrapped = getattr(value, "__wrapped__", None)
+        if wrapped is not None:
+            todo.append(wrapped)
+        for cell in getattr(value, "__closure__", None) or ():
+            try:
+                todo.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+    return False
 
 
 def _sweepable(value: Any) -> bool:
@@ -489,8 +656,15 @@ class Patcher:
     half-applied.
     """
 
-    def __init__(self, shim_id: str, on_part_error: Optional[Callable[[str, BaseException], None]] = None):
+    def __init__(
+        self,
+        shim_id: str,
+        on_part_error: Optional[Callable[[str, BaseException], None]] = None,
+        own: Iterable[str] = (),
+    ):
         self.shim_id = shim_id
+        # Top-level packages whose objects are not foreign in this shim's slots (see foreign_origin).
+        self.own = tuple(own)
         self._layers: List[Tuple[_Slot, _Layer]] = []
         self._cancels: List[Callable[[], None]] = []
         self._on_part_error = on_part_error
@@ -503,13 +677,35 @@ class Patcher:
     # -- primitives --------------------------------------------------------
 
     def _push(
-        self, container: Any, key: Any, is_item: bool, make_build: Callable[[_Layer], Callable], label: Optional[str] = None
+        self,
+        container: Any,
+        key: Any,
+        is_item: bool,
+        make_build: Callable[[_Layer], Callable],
+        label: Optional[str] = None,
+        composes: bool = True,
     ) -> Any:
         with LOCK:
+            fresh = _SLOTS.get((id(container), key, is_item)) is None
             slot = _slot(container, key, is_item, label)
             for existing, _ in self._layers:
                 if existing is slot:  # one layer per shim per slot: patching twice is a no-op
                     return slot.written
+            foreign = foreign_origin(container, slot.original, self.own) if slot.had_own else None
+            if foreign:
+                if not composes:
+                    if fresh and not slot.layers:
+                        _SLOTS.pop((id(container), key, is_item), None)
+                    raise ForeignPatch(
+                        f"{slot.describe()} already holds foreign code ({foreign}): "
+                        "ftshims would replace it outright, so it steps aside and leaves the other patch in place"
+                    )
+                note = (
+                    f"{slot.describe()} already held foreign code when ftshims patched it ({foreign}): "
+                    "ftshims' wrapper composes with it (calls it)"
+                )
+                if note not in self.notes:
+                    self.notes.append(note)
             layer = _Layer(self.shim_id)
             layer.build = make_build(layer)
             slot.layers.append(layer)
@@ -528,11 +724,11 @@ class Patcher:
 
     def replace(self, owner: Any, name: str, new: Any) -> Any:
         """Replace ``owner.name`` with ``new`` outright (a class, a constant, a bound hook)."""
-        return self._push(owner, name, False, lambda layer: lambda inner: new)
+        return self._push(owner, name, False, lambda layer: lambda inner: new, composes=False)
 
     def set_item(self, mapping: Any, key: Any, new: Any, label: Optional[str] = None) -> Any:
         """Replace ``mapping[key]`` (the key must exist); ``label`` names the slot in reports."""
-        return self._push(mapping, key, True, lambda layer: lambda inner: new, label)
+        return self._push(mapping, key, True, lambda layer: lambda inner: new, label, composes=False)
 
     def wrap_item(self, mapping: Any, key: Any, wrapper: Callable, label: Optional[str] = None) -> Any:
         """Wrap ``mapping[key]`` (a function in a registry) like :meth:`wrap`; ``label`` names it in reports."""
@@ -594,7 +790,14 @@ class Patcher:
 
     @property
     def patched(self) -> List[str]:
-        return [slot.describe() for slot, _ in self._layers]
+        """The places this shim holds now (a slot another patcher took over since is not counted)."""
+        return [slot.describe() for slot, _ in self._layers if not slot.tampered()]
+
+    def foreign_notes(self) -> List[str]:
+        """Slots of this shim that foreign code replaced after ftshims patched them (computed now)."""
+        with LOCK:
+            notes = [slot.takeover() for slot, _ in self._layers]
+        return [note for note in notes if note]
 
     @property
     def slots(self) -> List[Tuple[Any, Any, bool, Any]]:

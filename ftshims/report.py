@@ -13,8 +13,6 @@ TARGET_MISSING = "target missing"
 FAILED = "failed"
 NOT_APPLIED = "not applied"
 
-STATUSES = (APPLIED, DEFERRED, NOT_NEEDED, DISABLED, TARGET_MISSING, FAILED, NOT_APPLIED)
-
 
 @dataclass
 class ShimStatus:

@@ -1,8 +1,8 @@
 """The report in three forms: text for a terminal, Markdown for a bug report, JSON for tools.
 
 Renderers only read the report dict (docs/doctor-json.md); each section has
-one text and one Markdown renderer, and an empty v2 section (probes,
-advisories, findings) renders as nothing.
+one text and one Markdown renderer, and an empty probes, advisories or
+findings section renders as nothing.
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ def to_text(report: Dict[str, Any]) -> str:
     out += [f"  {r['name']:<{width}}{_pkg_text(r)}" for r in report["packages"]]
     if report.get("tested_stack", {}).get("message"):
         out += ["", "Tested stack (ftshims/data/stacks.toml)", f"  {report['tested_stack']['message']}"]
+    out += _frameworks_text(report.get("frameworks") or {})
 
     out.append("")
     out.append("flash-attn import (in a subprocess)")
@@ -181,7 +182,7 @@ def to_text(report: Dict[str, Any]) -> str:
     for row in failed:
         out.append(f"  import {row['module']} FAILED: {row['error']}")
 
-    out += _v2_text(report)
+    out += _findings_text(report)
 
     summary = report["summary"]
     out.append("")
@@ -239,8 +240,26 @@ def _probe_heading(report: Dict[str, Any]) -> str:
     return "Probes (each shim's reproduction without and with the shim" + (f"; {', '.join(parts)}" if parts else "") + ")"
 
 
-def _v2_text(report: Dict[str, Any]) -> List[str]:
-    """Probes, advisories and findings (doctor v2); nothing when a section is empty."""
+def _frameworks_text(section: Dict[str, Any]) -> List[str]:
+    """Fine-tuning frameworks and patchers installed, their ordering advisories, and (``--probe``) which
+    of ftshims' targets they replace once imported."""
+    rows = [r for r in section.get("frameworks") or [] if r.get("version")]
+    if not rows:
+        return []
+    out = ["", "Frameworks and patchers", "  " + ", ".join(f"{r['name']} {r['version']}" for r in rows)]
+    for advisory in section.get("advisories") or []:
+        out.append(f"  [{advisory['severity']}] {advisory['message']}")
+    probe = section.get("probe")
+    if probe:
+        replaced = probe.get("replaced") or []
+        out.append(f"  after import ({probe.get('status')}): " + (
+            "; ".join(f"{r['target']} ({r['shim']}) replaced by {r['by']}" for r in replaced) if replaced
+            else "none of ftshims' targets replaced"))
+    return out
+
+
+def _findings_text(report: Dict[str, Any]) -> List[str]:
+    """Probes, advisories and lint findings; nothing when a section is empty."""
     out: List[str] = []
     if report["probes"]["results"]:
         out += ["", _probe_heading(report)]
@@ -287,7 +306,7 @@ def _applies_text(a: Dict[str, Any], report: Dict[str, Any]) -> str:
     return ""
 
 
-def _v2_markdown(report: Dict[str, Any]) -> List[str]:
+def _findings_markdown(report: Dict[str, Any]) -> List[str]:
     from .probes import bug_present_text, fixed_text
 
     out: List[str] = []
@@ -376,7 +395,7 @@ def to_markdown(report: Dict[str, Any]) -> str:
             ]
         )
     out += _table(["shim", "kind", "affected", "apply()", "verdict", "detail"], rows) if rows else ["none registered"]
-    out += _v2_markdown(report)
+    out += _findings_markdown(report)
     extra = [f"- problem: `{p['id']}` {p['message']}" for p in summary.get("problems", [])]
     extra += [f"- warning: {w}" for w in summary.get("warnings", [])]
     extra += [f"- doctor error in {e['section']}: {e['error']}" for e in report["errors"]]

@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, TextIO
 
+from .. import settings
 from ..spec import SPEED
 from ._probe_worker import ENVIRONMENT
 
@@ -113,7 +114,7 @@ def default_jobs() -> int:
 def child_env() -> Dict[str, str]:
     env = dict(os.environ)
     env.update(OFFLINE_ENV)
-    env.pop("FTSHIMS_AUTO", None)
+    env.pop(settings.AUTO_ENV, None)
     # The child must import this very ftshims, wherever it was imported from.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     parts = [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]

@@ -5,12 +5,12 @@ a step that raises (a doctor bug, or a package misbehaving in a way nobody
 foresaw) leaves its section at the documented empty value and adds an entry to
 ``errors``; the other sections and the exit code are still produced.
 
-Doctor v2 fills the sections v1 reserved: ``probes`` (``--probe``: every
+Besides the environment and the shims, three sections: ``probes`` (``--probe``: every
 shim's reproduction run without and with the shim in child processes, see
 :mod:`.probes`), ``advisories`` (known-bad version combinations from
 :mod:`ftshims.advisories`, when that module is present) and ``findings`` (the
 setup lint of ``--model``/``--adapter``/``--tokenizer``/``--deepspeed``/
-``--train-config``, see :mod:`.lint`). :func:`summarize` turns unpatched
+``--train-config``, see :mod:`ftshims.lint`). :func:`summarize` turns unpatched
 present probe bugs and error-severity findings into problems (exit code 1).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from .. import verdicts
-from . import flashattn, stacks
+from . import flashattn, frameworks, stacks
 from .environment import error_text, ftshims_info, platform_info, python_info, torch_info
 from .packages import BROKEN, collect_packages, package_names
 from .shims import (
@@ -39,16 +39,15 @@ from .shims import (
 )
 
 SCHEMA = "ftshims-doctor"
-SCHEMA_VERSION = 1
+from . import SCHEMA_VERSION  # noqa: E402  (defined once, in the package, which imports nothing heavy)
 
 EXIT_OK = 0
 EXIT_UNPATCHED = 1
-EXIT_USAGE = 2
 
 
 @dataclass
 class Options:
-    """What to check: v1's environment checks, v2's live probes and the lint inputs (file paths)."""
+    """What to check: the environment, the live probes (``--probe``) and the lint inputs (file paths)."""
 
     trial_imports: bool = True
     flash_attn_timeout: float = flashattn.DEFAULT_TIMEOUT_S
@@ -112,6 +111,7 @@ def skeleton(options: Options) -> Dict[str, Any]:
         "advisories": [],
         "findings": [],
         "tested_stack": stacks.empty(),
+        "frameworks": {"frameworks": [], "installed": [], "advisories": [], "probe": None},
         "summary": {},
         "timing": {"total_s": None, "sections": {}},
         "errors": [],
@@ -151,6 +151,7 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
     report["tested_stack"] = steps.run(
         "tested_stack", lambda: stacks.tested_stack(stacks.installed_versions(report["packages"])), report["tested_stack"]
     )
+    report["frameworks"] = steps.run("frameworks", frameworks.frameworks_section, report["frameworks"])
     fa_row = _row(report["packages"], "flash-attn")
     fa_version = fa_row.get("version")
 
@@ -202,7 +203,10 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
         )
         if probe_run is not None:
             steps.run("probes", lambda: _collect_probes(probe_run, report))
-        elif options.probe:
+        if options.probe and report["frameworks"]["installed"]:
+            # which of ftshims' targets the installed frameworks replace once imported (a fresh process)
+            report["frameworks"]["probe"] = steps.run("frameworks", frameworks.probe_section)
+        if probe_run is None and options.probe:
             report["probes"]["requested"] = True
     except BaseException:
         if probe_run is not None:
@@ -446,7 +450,7 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
         problems.append(
             {"source": "doctor", "id": "shims", "message": "the shims could not be evaluated (see errors); ftshims.apply() would likely fail too"}
         )
-    # doctor v2: present and unpatched probe bugs, error-severity findings.
+    # present and unpatched probe bugs, error-severity findings
     probe_rows = report["probes"]["results"]
     for result in probe_rows:
         if _probe_problem(result):
