@@ -37,6 +37,10 @@ AUTO_OFF = ("", "0", "false", "no", "off")
 AUTO_ON = ("1", "true", "yes", "on")
 EVERY_SHIM = ("*", "all")
 SUMMARY_ENV = "FTSHIMS_SUMMARY"
+# The rotary kernel's backend (ftshims.kernels.rotary reads it at each call; the rotary shims declare
+# it): here, so that declaring it imports nothing of the kernel.
+ROTARY_BACKEND_ENV = "FTSHIMS_ROTARY_BACKEND"
+ROTARY_BACKENDS = ("auto", "cpu", "cuda", "reference")
 
 
 def invalid(setting: str, given: Any, problem: str, allowed: Sequence[Any]) -> ValueError:

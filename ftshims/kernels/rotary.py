@@ -48,11 +48,10 @@ import os
 from typing import Dict, Optional, Tuple
 
 from .._util import warn_once
+from ..settings import ROTARY_BACKEND_ENV as BACKEND_ENV, ROTARY_BACKENDS as BACKENDS
 
 log = logging.getLogger("ftshims")
 
-BACKEND_ENV = "FTSHIMS_ROTARY_BACKEND"
-BACKENDS = ("auto", "cpu", "cuda", "reference")
 LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
 
 __all__ = [

@@ -36,7 +36,7 @@ import inspect
 import logging
 import sys
 
-from ..kernels.rotary import BACKEND_ENV, BACKENDS
+from ..settings import ROTARY_BACKEND_ENV as BACKEND_ENV, ROTARY_BACKENDS as BACKENDS
 from .._util import acted
 from ..spec import SPEED, Choice, Observation, ShimSpec, Target, TargetMissing
 from .flash_attn_rotary import CORE_PARAMS, _device, cpu_triton, wrap_copies

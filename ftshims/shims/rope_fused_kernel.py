@@ -40,7 +40,7 @@ import logging
 import threading
 
 from .._util import acted, compiling
-from ..kernels.rotary import BACKEND_ENV, BACKENDS
+from ..settings import ROTARY_BACKEND_ENV as BACKEND_ENV, ROTARY_BACKENDS as BACKENDS
 from ..spec import SPEED, Choice, Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
