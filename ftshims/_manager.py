@@ -29,18 +29,9 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import registry, settings
 from ._util import actions_of, forget_actions
-from .patching import (
-    LOCK,
-    Patcher,
-    foreign_origin,
-    is_loaded,
-    is_shim_wrapper,
-    on_import,
-    require_params,
-    resolve,
-    settle,
-    wait_for_inflight_imports,
-)
+from .foreign import foreign_origin, is_shim_wrapper
+from .imports import is_loaded, on_import, settle, wait_for_inflight_imports
+from .patching import LOCK, Patcher, require_params, resolve
 from .report import (
     APPLIED,
     DEFERRED,

@@ -7,6 +7,11 @@ from typing import Any, Callable, Optional
 
 _IS_COMPILING: Optional[Callable[[], bool]] = None
 
+# One lock for ftshims' state: the patcher's slots, the post-import hooks and the manager's
+# records. apply(), revert() and the hooks all serialise on it (reentrant: a hook may run
+# inside apply()).
+LOCK = threading.RLock()
+
 
 def compiling() -> bool:
     """True while ``torch.compile`` (dynamo) traces the calling code.
