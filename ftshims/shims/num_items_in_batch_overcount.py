@@ -34,7 +34,7 @@ from __future__ import annotations
 import sys
 
 from .._util import acted
-from ..spec import Observation, ShimSpec, Target
+from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="num_items_in_batch_overcount",
@@ -131,6 +131,9 @@ def probe(labels: str = "full") -> Observation:
 
     from .. import tiny
 
+    if not hasattr(Trainer, "_get_num_items_in_batch"):
+        # before 4.57 the count is inline in get_batch_samples (4.46-4.56, see the advisory), or absent
+        raise ProbeUnsupported("this Trainer has no _get_num_items_in_batch")
     model = tiny.tiny_llama()
     label_rows = torch.tensor(LABELS[labels])
     input_ids = torch.where(label_rows == -100, torch.full_like(label_rows, 30), label_rows)
