@@ -71,6 +71,7 @@ DEFAULT_STACK_ONLY = (
     "tests/test_lifecycle.py",
     "tests/test_matrix.py",
     "tests/test_settings.py",
+    "tests/test_shim_checklist.py",
     "tests/test_compile.py::test_wrapper_effect_is_in_the_compiled_graph_and_gone_after_revert",
     "tests/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[llama-sdpa]",
     "tests/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[mistral-sdpa]",
