@@ -58,6 +58,7 @@ CASES = [
     ("tokenizer-no-pad", dict(tokenizer=p("tokenizers", "no_pad")), dict(tokenizer=p("tokenizers", "pad_ok")), "warning"),
     ("tokenizer-no-pad", dict(tokenizer=p("tokenizers", "no_pad"), train_config=p("train", "lf_ok.yaml")), dict(tokenizer=p("tokenizers", "pad_eos"), train_config=p("train", "lf_ok.yaml")), "info"),
     ("pad-is-eos", dict(tokenizer=p("tokenizers", "pad_eos")), dict(tokenizer=p("tokenizers", "pad_ok")), "warning"),
+    ("label-smoothing-unshifted", dict(model=p("models", "qwen1_remote"), train_config=p("train", "hf_label_smoothing.json")), dict(model=LLAMA, train_config=p("train", "hf_label_smoothing.json")), "warning"),
     ("chat-template-missing", dict(tokenizer=p("tokenizers", "no_pad"), train_config=p("train", "hf_chat.json")), dict(tokenizer=p("tokenizers", "pad_ok"), train_config=p("train", "hf_chat.json")), "error"),
     ("chat-template-missing", dict(tokenizer=p("tokenizers", "no_pad"), train_config=p("train", "lf_no_template.yaml")), dict(tokenizer=p("tokenizers", "pad_ok"), train_config=p("train", "lf_no_template.yaml")), "warning"),
     ("chat-template-missing", dict(train_config=p("train", "lf_bad_template.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "warning"),

@@ -42,6 +42,7 @@ _RULES = (
     # tokenizer
     Rule("tokenizer-load-failed", ERROR, "the tokenizer directory does not load with the installed transformers", "https://huggingface.co/docs/transformers/main_classes/tokenizer"),
     Rule("tokenizer-no-pad", WARNING, "the tokenizer has no pad token", "https://huggingface.co/docs/transformers/pad_truncation"),
+    Rule("label-smoothing-unshifted", WARNING, "label smoothing on a causal LM the Trainer does not recognise: the labels are not shifted and the model learns to predict the current token", "https://github.com/huggingface/transformers/issues/27161"),
     Rule("pad-is-eos", WARNING, "pad token == eos token while the collator masks pad labels: every EOS label becomes -100 and the model never learns to stop", "https://github.com/huggingface/transformers/issues/23530"),
     Rule("chat-template-missing", WARNING, "a chat format is configured but the tokenizer has no chat template (or LLaMA-Factory's template is unknown)", "https://huggingface.co/docs/transformers/chat_templating"),
     # sequence length
@@ -76,6 +77,7 @@ FIRES_WHEN: Dict[str, str] = {
     "modules-to-save-tied": "`modules_to_save` (or `target_modules`, LLaMA-Factory `additional_target`) names a tied input embedding / `lm_head` without `ensure_weight_tying`",
     "tokenizer-load-failed": "the tokenizer directory does not load with the installed transformers",
     "tokenizer-no-pad": "no pad token (info for LLaMA-Factory, which sets pad = eos and labels by position)",
+    "label-smoothing-unshifted": "`label_smoothing_factor` > 0 with a causal LM whose class is not in transformers' causal-LM mapping (custom code), or a PEFT model on transformers < 4.36",
     "pad-is-eos": "pad == eos and the collator masks pad labels (transformers' `DataCollatorForLanguageModeling`, TRL < 0.17 `SFTTrainer`): every EOS label becomes -100; info for a TRL >= 0.17 SFT config",
     "chat-template-missing": "a chat format is configured (`assistant_only_loss`, `dataset_text_field: messages`; LLaMA-Factory SFT without `template`) but the tokenizer has no chat template (error with `assistant_only_loss`; also when its template lacks `{% generation %}`), or a LLaMA-Factory `template` that 0.9.5 does not know",
     "seq-len-exceeds-positions": "`cutoff_len` (LLaMA-Factory; its default 2048 counts) / `max_length` / `max_seq_length` exceeds `max_position_embeddings`: error for learned positions, warning for RoPE (info with LLaMA-Factory `rope_scaling`)",

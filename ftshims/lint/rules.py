@@ -559,6 +559,49 @@ def check_train_keys(ctx) -> None:
     )
 
 
+def check_label_smoothing(ctx) -> None:
+    """label_smoothing_factor > 0: Trainer.compute_loss shifts the labels for its LabelSmoother only when
+    ``model._get_name()`` is in the causal-LM mapping. A causal LM it does not know (remote code such as
+    Qwen-1's QWenLMHeadModel, still in 5.24) or, before 4.36, any PEFT model (its name is "LoraModel")
+    is trained to predict the *current* token (transformers#27161, QwenLM/Qwen#834)."""
+    train = ctx.train
+    if train is None or train.is_lf:
+        return
+    factor = train.hf_value("label_smoothing_factor")
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        return
+    reasons = []
+    arch = ((ctx.model_config or {}).get("architectures") or [None])[0]
+    if isinstance(arch, str) and (arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel")):
+        try:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        except ImportError:
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = None
+        if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES is not None:
+            known = set()
+            for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+                known.update(value if isinstance(value, (list, tuple)) else [value])
+            if arch not in known:
+                reasons.append(f"the model class {arch} is not in transformers' causal-LM mapping (custom code)")
+    peft_model = ctx.adapter is not None or (train.lora_targets()[0] is not None)
+    if peft_model and ctx.version_lt("transformers", "4.36"):
+        reasons.append(f"transformers {ctx.versions.get('transformers')} names a PEFT model \"LoraModel\" (fixed in 4.36)")
+    if not reasons:
+        return
+    ctx.add(
+        finding(
+            "label-smoothing-unshifted",
+            f"label_smoothing_factor={factor}, but the Trainer will not shift the labels for the label smoother: "
+            + "; ".join(reasons) + ". The model is then trained to predict the current token, not the next one.",
+            "set label_smoothing_factor: 0, or compute the smoothed loss yourself with shifted labels "
+            "(a custom compute_loss), or upgrade transformers to >= 4.36 for PEFT models",
+            severity=WARNING,
+            file=train.path,
+            key="label_smoothing_factor",
+        )
+    )
+
+
 CHECKS = (
     check_train_keys,
     check_adapter_keys,
@@ -569,4 +612,5 @@ CHECKS = (
     check_seq_len,
     check_packing,
     check_gc_peft,
+    check_label_smoothing,
 )
