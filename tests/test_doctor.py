@@ -50,6 +50,7 @@ TOP_LEVEL = (
     "advisories",
     "findings",
     "tested_stack",
+    "frameworks",
     "summary",
     "timing",
     "errors",

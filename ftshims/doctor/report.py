@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from .. import verdicts
@@ -67,20 +67,8 @@ class Options:
         return any((self.model, self.adapter, self.tokenizer, self.deepspeed, self.train_config))
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
-            "trial_imports": self.trial_imports,
-            "flash_attn_timeout": self.flash_attn_timeout,
-            "check_flash_attn": self.check_flash_attn,
-            "probe": self.probe,
-            "probe_timeout": self.probe_timeout,
-            "probe_jobs": self.probe_jobs,
-            "probe_all": self.probe_all,
-            "model": self.model,
-            "adapter": self.adapter,
-            "tokenizer": self.tokenizer,
-            "deepspeed": self.deepspeed,
-            "train_config": self.train_config,
-        }
+        """Every option but ``progress`` (a stream, not a setting)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"}
 
 
 def skeleton(options: Options) -> Dict[str, Any]:
@@ -421,38 +409,60 @@ def _probe_problem(result: Dict[str, Any]) -> bool:
     return bool(result.get("bug_with_shim")) or (bool(result.get("bug_without_shim")) and result.get("fixed") is False)
 
 
-def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
-    """Problems (each one makes the exit code 1), warnings, counts and the headline message."""
-    shims = report["shims"]
-    fix = [s for s in shims if s["kind"] != "speed"]
-    known = [s["id"] for s in fix if s["affected"]]
-    # Only fixes count as fixes: a guard turns a crash into a clear error, a warning only warns.
-    fixes = [s["id"] for s in fix if s["affected"] and s.get("evidence", verdicts.FIXED) in verdicts.FIXES]
-    patched = [s["id"] for s in fix if s["verdict"] in (PATCHED, PATCHED_ON_IMPORT)]
-    fixed_by_apply = [i for i in patched if i in fixes]
-    guarded = [s["id"] for s in fix if s["id"] in patched and s.get("evidence") == verdicts.GUARDED]
-    warned = [s["id"] for s in fix if s["id"] in patched and s.get("evidence") == verdicts.WARNED]
-    unpatched = [s for s in fix if s["verdict"] == UNPATCHED]
-    unverified = [s["id"] for s in fix if s["verdict"] == UNVERIFIED]
-    opt_in = [s["id"] for s in shims if s["verdict"] == OPT_IN]
+@dataclass
+class ShimCounts:
+    """The shim rows sorted by what they mean for the user (ids; ``unpatched`` keeps the rows)."""
 
+    fix_rows: List[Dict[str, Any]]
+    known: List[str]  # affected fix shims: the known bugs of this stack
+    patched: List[str]  # apply() installs them
+    fixed: List[str]  # patched, and their evidence is a fix (not a guard, not a warning)
+    guarded: List[str]
+    warned: List[str]
+    unpatched: List[Dict[str, Any]]
+    unverified: List[str]
+    opt_in: List[str]
+
+    @classmethod
+    def of(cls, shims: List[Dict[str, Any]]) -> "ShimCounts":
+        fix = [s for s in shims if s["kind"] != "speed"]
+        patched = [s["id"] for s in fix if s["verdict"] in (PATCHED, PATCHED_ON_IMPORT)]
+        evidence = {s["id"]: s.get("evidence", verdicts.FIXED) for s in fix}
+        return cls(
+            fix_rows=fix,
+            known=[s["id"] for s in fix if s["affected"]],
+            patched=patched,
+            # Only fixes count as fixes: a guard turns a crash into a clear error, a warning only warns.
+            fixed=[i for i in patched if evidence[i] in verdicts.FIXES],
+            guarded=[i for i in patched if evidence[i] == verdicts.GUARDED],
+            warned=[i for i in patched if evidence[i] == verdicts.WARNED],
+            unpatched=[s for s in fix if s["verdict"] == UNPATCHED],
+            unverified=[s["id"] for s in fix if s["verdict"] == UNVERIFIED],
+            opt_in=[s["id"] for s in shims if s["verdict"] == OPT_IN],
+        )
+
+
+def _registry_failed(report: Dict[str, Any]) -> bool:
+    """No shim rows because the shim steps themselves failed: the doctor cannot vouch for anything."""
+    return not report["shims"] and bool({e["section"] for e in report["errors"]} & {"shims", "trial"})
+
+
+def _problems(report: Dict[str, Any], counts: ShimCounts) -> List[Dict[str, Any]]:
+    """Everything that makes the exit code 1."""
     problems: List[Dict[str, Any]] = []
     for error in report["ftshims"].get("env_errors") or []:
         # apply() and the start-up hook reject this value: as things stand no shim gets applied at all.
         problems.append({"source": "setting", "id": error["variable"], "message": error["message"]})
-    for s in unpatched:
+    for s in counts.unpatched:
         problems.append(
             {"source": "shim", "id": s["id"], "message": f"{s['title']}: affected but {s['status']} ({s['reason']})"}
         )
-    failed_steps = {e["section"] for e in report["errors"]}
-    if not shims and failed_steps & {"shims", "trial"}:
+    if _registry_failed(report):
         # Without statuses the doctor cannot say that no known bug stays unpatched.
         problems.append(
             {"source": "doctor", "id": "shims", "message": "the shims could not be evaluated (see errors); ftshims.apply() would likely fail too"}
         )
-    # present and unpatched probe bugs, error-severity findings
-    probe_rows = report["probes"]["results"]
-    for result in probe_rows:
+    for result in report["probes"]["results"]:  # present and unpatched probe bugs
         if _probe_problem(result):
             message = result.get("detail", "")
             # Out of the shim's range there is nothing to patch; the advisory says what to do instead.
@@ -463,7 +473,10 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
     for finding in report["findings"]:
         if finding.get("severity") == "error":
             problems.append({"source": "finding", "id": finding.get("rule"), "message": finding.get("message", "")})
+    return problems
 
+
+def _warnings(report: Dict[str, Any], counts: ShimCounts) -> List[str]:
     warnings: List[str] = []
     torch = report["environment"]["torch"]
     if torch.get("status") == "import failed":
@@ -471,9 +484,9 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
     for row in report["trial"]["imports"]:
         if not row["ok"]:
             warnings.append(f"import {row['module']} failed: {row['error']}")
-    if unverified:
-        warnings.append(f"could not verify {', '.join(unverified)}: the module it patches did not import")
-    gating = {pkg for s in shims for pkg in s["requires"]}
+    if counts.unverified:
+        warnings.append(f"could not verify {', '.join(counts.unverified)}: the module it patches did not import")
+    gating = {pkg for s in report["shims"] for pkg in s["requires"]}
     for row in report["packages"]:
         if row["status"] == BROKEN:
             extra = " (a shim gates on it: it counts as not installed there)" if row["name"] in gating else ""
@@ -483,7 +496,7 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
     fa = report["flash_attn"]
     if fa.get("ok") is False:
         warnings.append(f"flash-attn does not import ({fa['status']}); the flash-attn section says why and how to fix it")
-    for result in probe_rows:
+    for result in report["probes"]["results"]:
         if result.get("status") in ("error", "timeout", "crashed", "not run"):
             warnings.append(f"probe {result.get('shim_id')} could not run ({result.get('status')}): {result.get('error')}")
     for advisory in report["advisories"]:
@@ -492,25 +505,31 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
             warnings.append(f"advisory {advisory.get('id')} ({advisory.get('severity')}): {advisory.get('title')}")
     if report["errors"]:
         warnings.append(f"{_plural(len(report['errors']), 'doctor step')} failed: {', '.join(e['section'] for e in report['errors'])}")
+    return warnings
 
-    if not shims and failed_steps & {"shims", "trial"}:
+
+def _headline(report: Dict[str, Any], counts: ShimCounts) -> str:
+    """One paragraph: the known bugs and what apply() does about them, then probes, lint and advisories."""
+    known, unpatched = counts.known, counts.unpatched
+    if _registry_failed(report):
         message = "The shim registry could not be evaluated; see errors."
     elif not known:
-        message = f"No known bug of the {_plural(len(fix), 'fix shim')} in the registry affects this stack."
+        message = f"No known bug of the {_plural(len(counts.fix_rows), 'fix shim')} in the registry affects this stack."
     else:
         message = (
             f"{_plural(len(known), 'known bug')} {'affects' if len(known) == 1 else 'affect'} this stack; "
-            f"ftshims.apply() fixes {len(fixed_by_apply)} of {len(known)}"
-            + (f", guards against {len(guarded)} ({', '.join(guarded)})" if guarded else "")
-            + (f", only warns about {len(warned)} ({', '.join(warned)})" if warned else "")
+            f"ftshims.apply() fixes {len(counts.fixed)} of {len(known)}"
+            + (f", guards against {len(counts.guarded)} ({', '.join(counts.guarded)})" if counts.guarded else "")
+            + (f", only warns about {len(counts.warned)} ({', '.join(counts.warned)})" if counts.warned else "")
             + "."
         )
         if unpatched:
             message += f" Unpatched: {', '.join(s['id'] for s in unpatched)}."
-        if patched:
+        if counts.patched:
             message += " Call ftshims.apply() (or import ftshims.auto) at the top of your training script; the doctor itself patched nothing."
-    if opt_in:
-        message += f" Opt-in speed shims available: {', '.join(opt_in)} (ftshims.apply(include=[...]))."
+    if counts.opt_in:
+        message += f" Opt-in speed shims available: {', '.join(counts.opt_in)} (ftshims.apply(include=[...]))."
+    probe_rows = report["probes"]["results"]
     if report["probes"]["requested"]:
         ran = [r for r in probe_rows if r.get("bug_without_shim") is not None]
         present = [r for r in ran if r.get("bug_without_shim")]
@@ -524,11 +543,9 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
             + "."
         )
     if report["findings"]:
-        counts = {sev: sum(1 for f in report["findings"] if f.get("severity") == sev) for sev in ("error", "warning", "info")}
-        message += f" Setup lint: {counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)."
-    elif report["options"].get("model") or any(
-        report["options"].get(k) for k in ("adapter", "tokenizer", "deepspeed", "train_config")
-    ):
+        by = {sev: sum(1 for f in report["findings"] if f.get("severity") == sev) for sev in ("error", "warning", "info")}
+        message += f" Setup lint: {by['error']} error(s), {by['warning']} warning(s), {by['info']} note(s)."
+    elif any(report["options"].get(k) for k in ("model", "adapter", "tokenizer", "deepspeed", "train_config")):
         message += " Setup lint: no findings."
     matching = [a for a in report["advisories"] if a.get("applies", APPLIES_YES) == APPLIES_YES]
     conditional = [a for a in report["advisories"] if a.get("applies") == APPLIES_CONDITIONAL]
@@ -541,19 +558,26 @@ def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
             f"{'applies' if len(conditional) == 1 else 'apply'} only to "
             "certain model types (--model CONFIG tells)."
         )
+    return message
+
+
+def summarize(report: Dict[str, Any]) -> Dict[str, Any]:
+    """Problems (each one makes the exit code 1), warnings, counts and the headline message."""
+    counts = ShimCounts.of(report["shims"])
+    problems = _problems(report, counts)
     return {
         "exit_code": EXIT_UNPATCHED if problems else EXIT_OK,
-        "known_bugs": known,
-        "patched_by_apply": patched,
-        "fixed_by_apply": fixed_by_apply,
-        "guarded_by_apply": guarded,
-        "warned_by_apply": warned,
-        "unpatched": [s["id"] for s in unpatched],
-        "unverified": unverified,
-        "opt_in": opt_in,
+        "known_bugs": counts.known,
+        "patched_by_apply": counts.patched,
+        "fixed_by_apply": counts.fixed,
+        "guarded_by_apply": counts.guarded,
+        "warned_by_apply": counts.warned,
+        "unpatched": [s["id"] for s in counts.unpatched],
+        "unverified": counts.unverified,
+        "opt_in": counts.opt_in,
         "problems": problems,
-        "warnings": warnings,
-        "message": message,
+        "warnings": _warnings(report, counts),
+        "message": _headline(report, counts),
     }
 
 
