@@ -55,6 +55,6 @@ def test_probe_lists_targets_replaced_by_liger_and_a_fake_unsloth(tmp_path, monk
                 for r in probe["replaced"]}
     rope = replaced.pop(("rope_fused_kernel", "modeling_llama.apply_rotary_pos_emb"))
     assert rope.startswith("liger_kernel."), rope
-    for shim in ("packing_block_mask", "custom_4d_mask_format", "flash_attn_packing"):
+    for shim in ("packing_block_mask", "custom_4d_mask_format", "flash_attn_packing", "causal_mask_buffer_regrow"):
         assert replaced.pop((shim, "LlamaModel.forward")).startswith("fake_unsloth_patcher.fast_forward")
     assert replaced == {}, replaced  # nothing else: Liger touches no default shim's target
