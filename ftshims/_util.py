@@ -31,6 +31,34 @@ def compiling() -> bool:
     return _IS_COMPILING()
 
 
+def method_binder(func) -> Callable[[tuple, dict], Optional[dict]]:
+    """A trace-friendly ``bind(args, kwargs) -> {name: value} | None`` for a method ``func(self, ...)``.
+
+    The parameter names are read once, at install time, so that binding a call
+    is plain tuple/dict work that ``torch.compile`` traces without a graph break
+    (``inspect.signature`` at call time would not be). ``bind`` returns None for
+    more positional arguments than named parameters (``*args``), and always
+    when ``func`` has no readable signature.
+    """
+    import inspect
+
+    try:
+        params = list(inspect.signature(func).parameters.values())[1:]  # without self
+    except (TypeError, ValueError):
+        return lambda args, kwargs: None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in params if p.kind in positional)
+
+    def bind(args, kwargs):
+        if len(args) > len(names):
+            return None
+        call = dict(zip(names, args))
+        call.update(kwargs)
+        return call
+
+    return bind
+
+
 def cache_length(past) -> int:
     """Tokens already in a KV cache: a ``Cache`` object (``get_seq_length``) or the legacy tuple of
     ``(key, value)`` with key ``[batch, heads, seq, dim]``; 0 for None or a shape it cannot read."""

@@ -28,7 +28,7 @@ import logging
 import sys
 from typing import Dict, NamedTuple, Optional, Tuple
 
-from .._util import compiling
+from .._util import compiling, method_binder
 
 log = logging.getLogger("ftshims")
 
@@ -74,28 +74,6 @@ def transformers_version():
 
 # ---------------------------------------------------------------------------
 # Reading the call
-
-
-def binder(forward):
-    """A trace-friendly ``bind(args, kwargs) -> dict | None`` for a decoder ``forward(self, ...)``.
-
-    The parameter names are read once, at install time, so that binding a
-    call is plain tuple/dict work that ``torch.compile`` traces without a
-    graph break (``inspect.signature`` at call time would not be). Returns
-    None for more positional arguments than named parameters (``*args``).
-    """
-    params = list(inspect.signature(forward).parameters.values())[1:]  # without self
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    names = tuple(p.name for p in params if p.kind in positional)
-
-    def bind(args, kwargs):
-        if len(args) > len(names):
-            return None
-        call = dict(zip(names, args))
-        call.update(kwargs)
-        return call
-
-    return bind
 
 
 def takes_extra_kwargs(forward) -> bool:
@@ -316,7 +294,7 @@ def install_family(patcher, model_type: str, forward_wrapper) -> None:
     mask code that would not take an additive 4D mask as-is (see :func:`needs_passthrough`).
 
     ``forward_wrapper(wrapped, instance, call, family)`` gets the call's
-    arguments as one keyword dict (bound by :func:`binder`) and the
+    arguments as one keyword dict (bound by :func:`ftshims._util.method_binder`) and the
     :class:`Family` facts read at install time; it returns ``wrapped(**call)``
     with whatever it changed.
     """
@@ -339,7 +317,7 @@ def install_family(patcher, model_type: str, forward_wrapper) -> None:
                     raise TargetMissing(f"{module_name}: no _update_causal_mask and no _prepare_4d_causal_attention_mask")
                 for name in found:
                     patcher.wrap(module, name, passthrough)
-        bind = binder(cls.forward)
+        bind = method_binder(cls.forward)
         family = Family(takes_extra_kwargs(cls.forward), needs_passthrough(cls), bool_misread(cls), traces_4d_mask(cls))
 
         def adapter(wrapped, instance, args, kwargs):

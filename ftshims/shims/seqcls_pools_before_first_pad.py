@@ -35,7 +35,7 @@ data-dependent check.
 
 from __future__ import annotations
 
-from .._util import acted, compiling
+from .._util import acted, compiling, method_binder
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
@@ -164,27 +164,6 @@ def _forward_wrapper(bind):
     return forward
 
 
-def _binder(func):
-    """A function mapping a call's (args, kwargs) of ``func`` (a method, self excluded) to {name: value}."""
-    import inspect
-
-    try:
-        signature = inspect.signature(func)
-    except (TypeError, ValueError):
-        return lambda args, kwargs: None
-    params = list(signature.parameters.values())[1:]  # self
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-    def bind(args, kwargs):
-        if len(args) > len(names):
-            return None
-        call = dict(zip(names, args))
-        call.update(kwargs)
-        return call
-
-    return bind
-
-
 def install(patcher, options) -> None:
     from ..patching import require_params
     from ..spec import TargetMissing
@@ -199,7 +178,7 @@ def install(patcher, options) -> None:
                     raise TargetMissing(f"{module_name}.{class_name}.forward not found")
                 return  # a family this version does not have
             require_params(cls.forward, ("input_ids",), f"{module_name}.{class_name}.forward")
-            patcher.wrap(cls, "forward", _forward_wrapper(_binder(cls.forward)))
+            patcher.wrap(cls, "forward", _forward_wrapper(method_binder(cls.forward)))
 
         patcher.when_imported(module_name, part)
 
