@@ -176,9 +176,11 @@ CASES = {
         ({"transformers": "4.38.0.dev0"}, None, False),  # below 4.38.0
         ({"transformers": "4.39.0"}, None, False),
         ({"transformers": N}, None, False),
-    ],    "num_items_in_batch_overcount_4_46": [
-        ({"transformers": "4.46.0"}, None, True),
+    ],
+    "num_items_in_batch_overcount_4_46": [
+        ({"transformers": "4.46.2"}, None, True),
         ({"transformers": "4.56.2"}, None, True),
+        ({"transformers": "4.46.1"}, None, False),  # 4.46.0-4.46.1 counted labels[..., 1:]
         ({"transformers": "4.45.2"}, None, False),
         ({"transformers": "4.57.0"}, None, False),  # from here the num_items_in_batch_overcount shim applies
         ({"transformers": N}, None, False),
@@ -198,6 +200,82 @@ CASES = {
         ({"trl": "0.17.0"}, None, False),  # PR #3328
         ({"trl": "0.17.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <0.17.0
         ({"trl": N}, None, False),
+    ],
+    "trl_sft_eos_label_masked_when_pad_is_eos": [
+        ({"trl": "0.4.2"}, None, True),  # first release with SFTTrainer
+        ({"trl": "0.15.2"}, None, True),
+        ({"trl": "0.16.0"}, None, True),  # still transformers' collator (and now an appended EOS it masks)
+        ({"trl": "0.4.1"}, None, False),  # no SFTTrainer yet
+        ({"trl": "0.16.1"}, None, False),  # TRL's own collator pads labels by position
+        ({"trl": "0.16.1.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <0.16.1
+        ({"trl": "0.19.1"}, None, False),
+        ({"trl": N}, None, False),
+    ],
+    "label_smoothing_peft_causal_lm_not_shifted": [
+        ({"transformers": "4.30.2", "peft": "0.4.0"}, None, True),  # "PeftModelForCausalLM"
+        ({"transformers": "4.35.2", "peft": "0.6.2"}, None, True),  # "LoraModel"
+        ({"transformers": "4.36.0.dev0", "peft": "0.6.2"}, None, False),  # PEP 440: a pre-release of the bound is outside <4.36.0
+        ({"transformers": "4.36.0", "peft": "0.6.2"}, None, False),  # PR #27162
+        ({"transformers": "4.57.6", "peft": "0.17.1"}, None, False),
+        ({"transformers": "4.35.2", "peft": N}, None, False),  # no PEFT model without peft
+        ({"transformers": N, "peft": "0.6.2"}, None, False),
+    ],
+    "fa2_right_padding_raises_in_training": [
+        ({"transformers": "4.34.0"}, None, True),  # first Mistral release: raises on any right padding
+        ({"transformers": "4.34.1"}, None, True),
+        ({"transformers": "4.36.0"}, None, True),
+        ({"transformers": "4.45.2"}, None, True),  # the check Mistral kept while the others dropped it
+        ({"transformers": "4.52.4"}, None, True),
+        ({"transformers": "4.33.3"}, None, False),  # no Mistral
+        ({"transformers": "4.35.0"}, None, False),  # checks only with past_key_values (generation)
+        ({"transformers": "4.35.2"}, None, False),
+        ({"transformers": "4.53.0"}, None, False),  # masking_utils
+        ({"transformers": "4.53.0.dev0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "fa2_right_padding_raises_in_training_mixtral": [
+        ({"transformers": "4.36.0"}, None, True),
+        ({"transformers": "4.41.2"}, None, True),
+        ({"transformers": "4.48.0"}, None, True),
+        ({"transformers": "4.52.4"}, None, True),
+        ({"transformers": "4.35.2"}, None, False),  # no Mixtral yet
+        ({"transformers": "4.42.0"}, None, False),  # 4.42-4.47 have no check for these families
+        ({"transformers": "4.47.1"}, None, False),
+        ({"transformers": "4.53.0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "fa2_right_padding_raises_in_training_qwen2": [
+        ({"transformers": "4.37.0"}, None, True),  # first Qwen2 release
+        ({"transformers": "4.41.2"}, None, True),
+        ({"transformers": "4.49.0"}, None, True),
+        ({"transformers": "4.52.4"}, None, True),
+        ({"transformers": "4.36.2"}, None, False),  # no Qwen2 yet
+        ({"transformers": "4.42.0"}, None, False),
+        ({"transformers": "4.48.3"}, None, False),  # Qwen2 has no check in 4.42-4.48
+        ({"transformers": "4.53.0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "fa2_right_padding_raises_in_training_qwen2_moe": [
+        ({"transformers": "4.40.0"}, None, True),  # first Qwen2-MoE release
+        ({"transformers": "4.41.2"}, None, True),
+        ({"transformers": "4.48.0"}, None, True),
+        ({"transformers": "4.57.6"}, None, True),  # kept through the 4.5x series
+        ({"transformers": "4.39.3"}, None, False),
+        ({"transformers": "4.42.0"}, None, False),
+        ({"transformers": "4.47.1"}, None, False),
+        ({"transformers": "5.0.0"}, None, False),
+        ({"transformers": "5.0.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <5.0.0
+        ({"transformers": N}, None, False),
+    ],
+    "average_tokens_across_devices_off": [
+        ({"transformers": "4.46.0"}, None, True),  # no option yet
+        ({"transformers": "4.46.2"}, None, True),  # option added, default False
+        ({"transformers": "4.53.3"}, None, True),
+        ({"transformers": "4.45.2"}, None, False),  # below: ga_mean_of_micro_batch_means
+        ({"transformers": "4.54.0"}, None, False),  # default True (PR #39395)
+        ({"transformers": "4.54.0.dev0"}, None, False),
+        ({"transformers": "4.57.6"}, None, False),
+        ({"transformers": N}, None, False),
     ],
 }
 
@@ -469,7 +547,14 @@ def test_matching_reads_installed_versions_when_none_given(monkeypatch):
         return fake.get(name)
 
     monkeypatch.setattr(advisories, "installed_version", installed)
-    assert [a.id for a in advisories.matching()] == ["ga_loss_scaling_4_48_0", "num_items_in_batch_overcount_4_46"]
+    assert [a.id for a in advisories.matching()] == [
+        "ga_loss_scaling_4_48_0",
+        "fa2_right_padding_raises_in_training",
+        "fa2_right_padding_raises_in_training_mixtral",
+        "fa2_right_padding_raises_in_training_qwen2_moe",
+        "num_items_in_batch_overcount_4_46",
+        "average_tokens_across_devices_off",
+    ]
     assert sorted(asked) == sorted(advisories.packages())
 
 
@@ -486,14 +571,22 @@ def test_the_pinned_stacks_see_the_expected_advisories():
     stacks = {
         "s430": ({"transformers": "4.30.2", "peft": "0.4.0", "trl": "0.4.7", "torch": "2.13.0+cpu"},
                  {"trl_constant_length_dataset_packing", "custom_4d_mask_unsupported", "ga_mean_of_micro_batch_means",
-                  "packing_contaminated_below_4_37"}),
+                  "packing_contaminated_below_4_37", "trl_sft_eos_label_masked_when_pad_is_eos",
+                  "label_smoothing_peft_causal_lm_not_shifted"}),
         "s438": ({"transformers": "4.38.2", "trl": "0.8.1", "torch": "2.13.0+cpu"},
                  {"trl_constant_length_dataset_packing", "ga_mean_of_micro_batch_means",
-                  "llama_gemma_causal_mask_buffer_4_38"}),
+                  "llama_gemma_causal_mask_buffer_4_38", "trl_sft_eos_label_masked_when_pad_is_eos",
+                  "fa2_right_padding_raises_in_training", "fa2_right_padding_raises_in_training_mixtral",
+                  "fa2_right_padding_raises_in_training_qwen2"}),
         "s446": ({"transformers": "4.46.3", "trl": "0.12.2", "torch": "2.13.0+cpu"},
-                 {"trl_constant_length_dataset_packing", "ga_loss_scaling_4_46", "num_items_in_batch_overcount_4_46"}),
-        "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"}, {"num_items_in_batch_overcount_4_46"}),
-        "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"}, {"deepseek_v2_yarn_missing_mscale"}),
+                 {"trl_constant_length_dataset_packing", "ga_loss_scaling_4_46", "num_items_in_batch_overcount_4_46",
+                  "trl_sft_eos_label_masked_when_pad_is_eos", "fa2_right_padding_raises_in_training",
+                  "average_tokens_across_devices_off"}),
+        "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"},
+                 {"num_items_in_batch_overcount_4_46", "fa2_right_padding_raises_in_training_qwen2_moe",
+                  "average_tokens_across_devices_off"}),
+        "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"},
+                  {"deepseek_v2_yarn_missing_mscale", "fa2_right_padding_raises_in_training_qwen2_moe"}),
         "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"}, set()),
     }
     for name, (versions, expected) in stacks.items():

@@ -180,7 +180,7 @@ def packing_rows(applies: bool):
 def test_pad_is_eos_depends_on_the_collator(monkeypatch):
     with_versions(monkeypatch, trl="0.24.0")
     sft = run(tokenizer=p("tokenizers", "pad_eos"), train_config=p("train", "hf_packing_fa2.json"))
-    assert [h["severity"] for h in rules_of(sft, "pad-is-eos")] == ["info"]  # TRL >= 0.17 pads labels by position
+    assert [h["severity"] for h in rules_of(sft, "pad-is-eos")] == ["info"]  # TRL >= 0.16.1 pads labels by position
     with_versions(monkeypatch, trl="0.12.2")
     sft = run(tokenizer=p("tokenizers", "pad_eos"), train_config=p("train", "hf_packing_fa2.json"))
     assert [h["severity"] for h in rules_of(sft, "pad-is-eos")] == ["warning"]

@@ -78,7 +78,7 @@ FIRES_WHEN: Dict[str, str] = {
     "tokenizer-load-failed": "the tokenizer directory does not load with the installed transformers",
     "tokenizer-no-pad": "no pad token (info for LLaMA-Factory, which sets pad = eos and labels by position)",
     "label-smoothing-unshifted": "`label_smoothing_factor` > 0 with a causal LM whose class is not in transformers' causal-LM mapping (custom code), or a PEFT model on transformers < 4.36",
-    "pad-is-eos": "pad == eos and the collator masks pad labels (transformers' `DataCollatorForLanguageModeling`, TRL < 0.17 `SFTTrainer`): every EOS label becomes -100; info for a TRL >= 0.17 SFT config",
+    "pad-is-eos": "pad == eos and the collator masks pad labels (transformers' `DataCollatorForLanguageModeling`, TRL < 0.16.1 `SFTTrainer`): every EOS label becomes -100; info for a TRL >= 0.16.1 SFT config",
     "chat-template-missing": "a chat format is configured (`assistant_only_loss`, `dataset_text_field: messages`; LLaMA-Factory SFT without `template`) but the tokenizer has no chat template (error with `assistant_only_loss`; also when its template lacks `{% generation %}`), or a LLaMA-Factory `template` that 0.9.5 does not know",
     "seq-len-exceeds-positions": "`cutoff_len` (LLaMA-Factory; its default 2048 counts) / `max_length` / `max_seq_length` exceeds `max_position_embeddings`: error for learned positions, warning for RoPE (info with LLaMA-Factory `rope_scaling`)",
     "ds-unknown-key": "a key DeepSpeed does not know: error inside `zero_optimization`, `offload_*`, `fp16`, `bf16` (pydantic `extra=\"forbid\"`), warning elsewhere (silently ignored). Checked against DeepSpeed 0.19.8's schema",

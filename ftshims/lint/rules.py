@@ -192,12 +192,12 @@ SFT_KEYS = ("packing", "max_seq_length", "max_length", "dataset_text_field", "as
 
 def _trl_masks_pad(ctx) -> bool:
     """Whether the run's LM collator sets labels[input_ids == pad_id] = -100: transformers'
-    DataCollatorForLanguageModeling (plain Trainer scripts, and TRL SFTTrainer < 0.17) does; TRL >= 0.17's own
+    DataCollatorForLanguageModeling (plain Trainer scripts, and TRL SFTTrainer < 0.16.1) does; TRL >= 0.16.1's own
     collator pads labels by position. Without a TRL SFT config the trainer is unknown: assume it masks."""
     sft = ctx.train is not None and not ctx.train.is_lf and any(k in ctx.train.data for k in SFT_KEYS)
     if not sft or not ctx.versions.get("trl"):
         return True
-    return ctx.version_lt("trl", "0.17")
+    return ctx.version_lt("trl", "0.16.1")
 
 
 def check_tokenizer_pad(ctx) -> None:
@@ -214,7 +214,7 @@ def check_tokenizer_pad(ctx) -> None:
         else:
             severity, consequence = WARNING, (
                 "batching with padding raises \"Asking to pad but the tokenizer does not have a padding token\"; the "
-                "common fix `tokenizer.pad_token = tokenizer.eos_token` (which TRL < 0.17 SFTTrainer also applies) makes "
+                "common fix `tokenizer.pad_token = tokenizer.eos_token` (which TRL < 0.16.1 SFTTrainer also applies) makes "
                 "transformers' DataCollatorForLanguageModeling mask every EOS label, so the model never learns to stop."
             )
         ctx.add(
@@ -241,8 +241,8 @@ def check_tokenizer_pad(ctx) -> None:
         severity = WARNING
         who = (
             f"TRL {ctx.versions.get('trl')} SFTTrainer and transformers' DataCollatorForLanguageModeling"
-            if ctx.versions.get("trl") and ctx.version_lt("trl", "0.17")
-            else "transformers' DataCollatorForLanguageModeling (plain Trainer scripts; TRL < 0.17 SFTTrainer)"
+            if ctx.versions.get("trl") and ctx.version_lt("trl", "0.16.1")
+            else "transformers' DataCollatorForLanguageModeling (plain Trainer scripts; TRL < 0.16.1 SFTTrainer)"
         )
         consequence = f"{who} set labels[input_ids == pad_token_id] = -100, so every EOS label is masked and the model never learns to stop."
     else:
