@@ -228,7 +228,10 @@ def install(patcher, options) -> None:
             if not (isinstance(obj, type) and attr.endswith("RotaryEmbedding") and obj.__module__ == module.__name__):
                 continue
             if issubclass(obj, torch.nn.Module) and "forward" in vars(obj):
-                patcher.wrap(obj, "_apply", apply_wrapper)
+                # _apply is inherited: a rotary class that subclasses another (4.3x's
+                # LlamaLinearScalingRotaryEmbedding) already gets its base's wrapped _apply.
+                if not any(base.__name__.endswith("RotaryEmbedding") for base in obj.__mro__[1:]):
+                    patcher.wrap(obj, "_apply", apply_wrapper)
                 patcher.wrap(obj, "forward", forward_wrapper)
 
     for name in modeling_modules():
