@@ -264,7 +264,9 @@ def _same_with_and_without(build, call):
         shimmed = run()
     finally:
         ftshims.revert()
-    assert plain[1] == shimmed[1] is None, (plain[1], shimmed[1])
+    assert plain[1] == shimmed[1], (plain[1], shimmed[1])  # the same outcome either way
+    if plain[1] is not None:  # e.g. 4.46 LLaVA without a processor config: upstream itself fails this call
+        pytest.skip(f"this transformers fails the call by itself ({plain[1]}), with or without ftshims")
     assert not shimmed[2], shimmed[2]
     assert torch.equal(plain[0], shimmed[0])
 
