@@ -191,8 +191,10 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
         )
         if probe_run is not None:
             steps.run("probes", lambda: _collect_probes(probe_run, report))
-        if options.probe and report["frameworks"]["installed"]:
-            # which of ftshims' targets the installed frameworks replace once imported (a fresh process)
+        patchers = [r for r in report["frameworks"]["frameworks"] if r["version"] and r["kind"] in ("framework", "patcher")]
+        if options.probe and patchers:
+            # which of ftshims' targets the installed frameworks replace once imported (a fresh process;
+            # ~20 s of imports, so only where a framework or patcher that replaces functions is installed)
             report["frameworks"]["probe"] = steps.run("frameworks", frameworks.probe_section)
         if probe_run is None and options.probe:
             report["probes"]["requested"] = True
