@@ -292,17 +292,16 @@ def inv_freq_buffers(module):
 
 
 def rope_reference(model):
-    """fp64 cos/sin of every rotary module of the (fp32, pristine) model: module copied to float64."""
+    """fp64 references of every rotary module of the (fp32, pristine) model: the cos/sin it hands to
+    attention (module copied to float64), and its ``*inv_freq`` buffers (float64 copies)."""
     import torch
 
     refs = {}
     for name, mod in rotary_modules(model):
-        ref = copy.deepcopy(mod).to(torch.float64)
-        tables = rope_tables(ref, torch.float64)
-        if tables is not None:
-            refs[name] = tables
-        elif inv_freq_buffers(mod):  # modules whose forward returns something else (llama4: complex freqs)
-            refs[name] = {n: b.detach().double().clone() for n, b in inv_freq_buffers(mod).items()}
+        tables = rope_tables(copy.deepcopy(mod).to(torch.float64), torch.float64)
+        inv = {n: b.detach().double().clone() for n, b in inv_freq_buffers(mod).items()}
+        if tables is not None or inv:  # llama4's forward returns complex freqs: inv_freq only
+            refs[name] = {"tables": tables, "inv": inv}
     return refs
 
 
@@ -314,25 +313,27 @@ def _phase_error(inv, ref, length=64):
     return float(max((a.cos() - b.cos()).abs().max(), (a.sin() - b.sin()).abs().max()))
 
 
+PHASE_POSITIONS = 4096  # where a bf16 inv_freq's phase error shows (at 64 positions bf16 cos/sin rounding hides it)
+
+
 def rope_errors(model, refs, dtype):
+    """Per rotary module: max error of its cos/sin (first 64 positions) and of its inv_freq phases
+    (``PHASE_POSITIONS`` positions) against the fp64 references."""
     errors = {}
     for name, mod in rotary_modules(model):
-        if name not in refs:
+        ref = refs.get(name)
+        if ref is None:
             continue
-        if isinstance(refs[name], dict):
-            bufs = inv_freq_buffers(mod)
-            errs = [_phase_error(bufs[n], r) for n, r in refs[name].items() if n in bufs and bufs[n].shape == r.shape]
-            if errs:
-                errors[name] = max(errs)
-            continue
-        tables = rope_tables(mod, dtype)
-        if tables is None:
-            continue
-        cos, sin = tables
-        rc, rs = refs[name]
-        if cos.shape != rc.shape:
-            continue
-        errors[name] = float(max((cos - rc).abs().max(), (sin - rs).abs().max()))
+        errs = []
+        bufs = inv_freq_buffers(mod)
+        errs += [_phase_error(bufs[n], r, PHASE_POSITIONS) for n, r in ref["inv"].items()
+                 if n in bufs and bufs[n].shape == r.shape]
+        tables = rope_tables(mod, dtype) if ref["tables"] is not None else None
+        if tables is not None and tables[0].shape == ref["tables"][0].shape:
+            (cos, sin), (rc, rs) = tables, ref["tables"]
+            errs.append(float(max((cos - rc).abs().max(), (sin - rs).abs().max())))
+        if errs:
+            errors[name] = max(errs)
     return errors
 
 
