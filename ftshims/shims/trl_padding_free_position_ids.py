@@ -84,15 +84,20 @@ _SAID = set()
 def _say_once_what_trl_warns_about() -> None:
     """TRL warns that padding-free batches without flash attention cross-contaminate: say once that
     here they do not (the warning stays: it is TRL's; this line is ours)."""
+    warn_once(_SAID, "trl", _say_it)
+
+
+def _say_it() -> None:
     from .. import _manager
 
+    # read once, when the line is emitted: status() reads package metadata, too slow for every batch
     isolating = _manager.status()["packing_block_mask"].active
-    warn_once(_SAID, "trl", lambda: log.warning(
+    log.warning(
         "trl_padding_free_position_ids: padding-free batches now carry per-example position_ids%s, so the "
         "cross-contamination TRL's padding-free warning describes for non-flash attention does not happen here",
         " and packing_block_mask isolates the examples under eager/sdpa" if isolating else
         " (packing_block_mask is not active: under eager/sdpa the examples still attend to each other)",
-    ))
+    )
 
 
 def install(patcher, options) -> None:
