@@ -130,6 +130,10 @@ class Source:
         with zipfile.ZipFile(self.archive) as zf:
             return zf.namelist()
 
+    def is_package(self, module: str) -> bool:
+        """Whether ``module`` is a package (its source is ``__init__.py``): relative imports start there."""
+        return f"{module.replace('.', '/')}/__init__.py" in self._index()
+
     def read(self, module: str) -> Optional[str]:
         base = module.replace(".", "/")
         index = self._index()
@@ -170,10 +174,12 @@ def _definitions(tree: ast.Module) -> Dict[str, ast.AST]:
     return defs
 
 
-def _resolve_import(node: ast.ImportFrom, module: str) -> str:
+def _resolve_import(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     if node.level == 0:
         return node.module or ""
-    parts = module.split(".")
+    # `from .x import y` in pkg/mod.py means pkg.x, but in pkg/__init__.py it means pkg.x too: the package
+    # itself is the anchor there, one level deeper than for a plain module.
+    parts = module.split(".") + ([""] if is_package else [])
     base = parts[: len(parts) - node.level]
     return ".".join(base + ([node.module] if node.module else []))
 
@@ -198,7 +204,7 @@ def _find(source: Source, module: str, qualname: str, depth: int = 0):
     node = defs.get(head)
     if isinstance(node, ast.ImportFrom) and depth < 3:
         real = next(a.name for a in node.names if (a.asname or a.name) == head)
-        return _find(source, _resolve_import(node, module), real + qualname[len(head):], depth + 1)
+        return _find(source, _resolve_import(node, module, source.is_package(module)), real + qualname[len(head):], depth + 1)
     if node is None:
         return None, f"{module}.{head} not defined"
     if not rest:

@@ -30,21 +30,28 @@ MODULE = textwrap.dedent(
     """
 )
 HELPERS = "def exported(x, y):\n    pass\n"
+# A subpackage whose __init__ re-exports from a sibling module (peft.tuners.lora: `from .model import LoraModel`).
+FILES = (
+    ("fakepkg/__init__.py", ""),
+    ("fakepkg/mod.py", MODULE),
+    ("fakepkg/helpers.py", HELPERS),
+    ("fakepkg/sub/__init__.py", "from .impl import Tuner\n"),
+    ("fakepkg/sub/impl.py", "from ..mod import Mixin\n\nclass Tuner(Mixin):\n    pass\n"),
+)
 
 
 def _wheel(tmp_path):
     path = tmp_path / "fakepkg-1.0-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("fakepkg/__init__.py", "")
-        zf.writestr("fakepkg/mod.py", MODULE)
-        zf.writestr("fakepkg/helpers.py", HELPERS)
+        for name, text in FILES:
+            zf.writestr(name, text)
     return canary.Source(path)
 
 
 def _sdist(tmp_path):
     path = tmp_path / "fakepkg-1.0.tar.gz"
     with tarfile.open(path, "w:gz") as tar:
-        for name, text in (("fakepkg/__init__.py", ""), ("fakepkg/mod.py", MODULE), ("fakepkg/helpers.py", HELPERS)):
+        for name, text in FILES:
             data = text.encode()
             info = tarfile.TarInfo(f"fakepkg-1.0/{name}")
             info.size = len(data)
@@ -62,6 +69,8 @@ def test_targets_found_changed_missing(tmp_path):
         assert check("Model.inherited", params=("model",))[0], "found on a base class in the same module"
         assert check("prepare", params=("model",))[0]
         assert check("reexported", params=("x", "y"))[0], "followed through `from .helpers import`"
+        ok, detail = canary.check_target(source, Target("fakepkg.sub", "Tuner.inherited", params=("model",)))
+        assert ok, f"followed from a package __init__ into its module and up to an imported base: {detail}"
         ok, detail = check("vanished")
         assert not ok and "not defined" in detail
         ok, detail = canary.check_target(source, Target("fakepkg.nomodule", "f"))
