@@ -98,8 +98,9 @@ def selection(shim, only=None, exclude=None, include=None, versions=None, disabl
         return DISABLED, "excluded by exclude="
     if only is not None and spec.id not in only:
         return DISABLED, "not selected by only="
-    if spec.kind == SPEED and not ((only and spec.id in only) or (include and spec.id in include)):
-        return DISABLED, "speed shim, opt-in: pass only=[...] or include=[...]"
+    if not spec.by_default and not ((only and spec.id in only) or (include and spec.id in include)):
+        what = "speed shim" if spec.kind == SPEED else "changes what a run trains"
+        return DISABLED, f"{what}, opt-in: pass only=[...] or include=[...]"
     versions = versions if versions is not None else installed_versions(spec.requires)
     mismatch = explain_mismatch(spec.requires, versions)
     if mismatch:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Tuple, Type
 
 FIX = "fix"  # corrects wrong behaviour; applied by default
+OPT_IN = "opt-in"  # corrects behaviour that some runs rely on (which labels are trained); applied only when asked for
 SPEED = "speed"  # same results, faster; applied only when asked for
+KINDS = (FIX, OPT_IN, SPEED)
 
 
 @dataclass(frozen=True)
@@ -100,9 +102,14 @@ class ShimSpec:
     options: Mapping[str, object] = field(default_factory=dict)
     choices: Mapping[str, Choice] = field(default_factory=dict)
 
+    @property
+    def by_default(self) -> bool:
+        """Whether ``apply()`` installs the shim without being asked: only ``fix`` shims are."""
+        return self.kind == FIX
+
     def __post_init__(self) -> None:
-        if self.kind not in (FIX, SPEED):
-            raise ValueError(f"{self.id}: kind must be {FIX!r} or {SPEED!r}, not {self.kind!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.id}: kind must be one of {', '.join(map(repr, KINDS))}, not {self.kind!r}")
         if self.effect not in ("fixes", "guards", "warns"):
             raise ValueError(f"{self.id}: effect must be 'fixes', 'guards' or 'warns', not {self.effect!r}")
         if not self.requires:

@@ -184,7 +184,7 @@ def test_every_shim_reported_with_its_range_and_trial_status(full_report):
             # out of range, or in range without what the bug needs (apply() still installs those)
             assert row["verdict"] == "not affected" and row["evidence"] == "absent"
             assert row["status"] in ("not needed", "disabled") or spec.needs_any
-        elif spec.kind == "speed":
+        elif not spec.by_default:  # speed, or opt-in
             assert row["verdict"] == "opt-in"
         elif all(imports.get(m, {"ok": True})["ok"] for m in spec.modules):
             # the trial imported the modules: the shim was really installed, or says why not

@@ -17,7 +17,7 @@ _VERDICT_TEXT = {
     PATCHED_ON_IMPORT: "patched by ftshims.apply() when its module is imported (targets not checked: --no-import)",
     UNVERIFIED: "could not verify (its module did not import)",
     UNPATCHED: "UNPATCHED: the known bug stays even with ftshims.apply()",
-    OPT_IN: "speed shim, opt-in: ftshims.apply(include=[...])",
+    OPT_IN: "opt-in, not applied by default: ftshims.apply(include=[...])",
     NOT_AFFECTED: "not affected",
 }
 

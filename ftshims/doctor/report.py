@@ -427,7 +427,8 @@ class ShimCounts:
 
     @classmethod
     def of(cls, shims: List[Dict[str, Any]]) -> "ShimCounts":
-        fix = [s for s in shims if s["kind"] != "speed"]
+        # Opt-in shims (speed, or a fix that changes what a run trains) are listed apart: apply() leaves them out.
+        fix = [s for s in shims if s["kind"] == "fix"]
         patched = [s["id"] for s in fix if s["verdict"] in (PATCHED, PATCHED_ON_IMPORT)]
         evidence = {s["id"]: s.get("evidence", verdicts.FIXED) for s in fix}
         return cls(

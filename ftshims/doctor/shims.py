@@ -120,7 +120,7 @@ def run_trial(trial_imports: bool = True) -> Dict[str, Any]:
 def _verdict(spec, affected: bool, status: str, import_failed: Optional[str], trial_imports: bool) -> str:
     if not affected:
         return NOT_AFFECTED
-    if spec.kind == SPEED:
+    if not spec.by_default:
         return PATCHED if status == APPLIED else OPT_IN
     if status == APPLIED:
         return PATCHED

@@ -256,7 +256,8 @@ def check_tokenizer_pad(ctx) -> None:
             "pad-is-eos",
             f"pad token == eos token ({tok['pad_token']!r}): {consequence}",
             "use a distinct pad token (an unused reserved token, or add '<pad>' and resize the embeddings), or a "
-            "collator that masks padding by position (DataCollatorForSeq2Seq with label_pad_token_id=-100)",
+            "collator that masks padding by position (DataCollatorForSeq2Seq with label_pad_token_id=-100), or "
+            "turn on ftshims' opt-in fix: ftshims.apply(include=['eos_label_kept_when_pad_is_eos'])",
             severity=severity,
             file=ctx.inputs.tokenizer,
         )

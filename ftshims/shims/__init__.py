@@ -20,4 +20,5 @@ SHIM_IDS = (
     "peft_tied_embeddings_lost_on_merge",
     "num_items_in_batch_overcount",
     "trl_completion_only_template_miss",
+    "eos_label_kept_when_pad_is_eos",
 )
