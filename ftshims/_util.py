@@ -13,6 +13,24 @@ _IS_COMPILING: Optional[Callable[[], bool]] = None
 LOCK = threading.RLock()
 
 
+def module_globals():
+    """``(module, name, value)`` for every global of every imported module.
+
+    Both lists are snapshots, so a caller may set a module's globals while it
+    iterates (the patcher restores copies of a wrapped function; the flash-attn
+    shim wraps copies of one). Modules without a ``__dict__`` are skipped.
+    """
+    import sys
+
+    for module in list(sys.modules.values()):
+        try:
+            namespace = vars(module)
+        except TypeError:
+            continue
+        for name, value in list(namespace.items()):
+            yield module, name, value
+
+
 def compiling() -> bool:
     """True while ``torch.compile`` (dynamo) traces the calling code.
 

@@ -55,6 +55,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import wrapt
 
 from ._util import LOCK  # one lock for the slots, the import hooks and the manager's state
+from ._util import module_globals
 from .foreign import MISSING as _MISSING
 from .foreign import ForeignPatch, _code_of, describe_object, foreign_origin, is_shim_wrapper  # noqa: F401  (re-exported)
 from .imports import on_import
@@ -225,15 +226,10 @@ def _sweep_copies(replacements: Dict[int, Tuple[Any, Any]]) -> None:
     """
     if not replacements:
         return
-    for module in list(sys.modules.values()):
-        try:
-            namespace = vars(module)
-        except TypeError:
-            continue
-        for attr, value in list(namespace.items()):
-            hit = replacements.get(id(value))
-            if hit is not None and hit[0] is value:
-                namespace[attr] = hit[1]
+    for module, attr, value in module_globals():
+        hit = replacements.get(id(value))
+        if hit is not None and hit[0] is value:
+            vars(module)[attr] = hit[1]
 
 
 # id(container), key, is_item -> slot. Containers are kept alive by the slot.

@@ -419,35 +419,16 @@ def _run(qv, kv, args, interleaved, conjugate, inplace, backend):
     return qv, kv
 
 
-def apply_rotary(
-    x,
-    positions=None,
-    *,
-    rope_theta: Optional[float] = None,
-    inv_freq=None,
-    cos=None,
-    sin=None,
-    rotary_dim: Optional[int] = None,
-    interleaved: bool = False,
-    layout: str = "bshd",
-    cu_seqlens=None,
-    seqlen_offsets=0,
-    attention_scaling: float = 1.0,
-    conjugate: bool = False,
-    inplace: bool = False,
-    backend: Optional[str] = None,
-):
+def apply_rotary(x, positions=None, **options):
     """Rotate ``x`` (see the module docstring). Returns x's rotated copy, or x itself when ``inplace``.
 
     x: ``[batch, seq, heads, dim]`` (layout ``"bshd"``), ``[batch, heads, seq, dim]`` (``"bhsd"``),
     ``[seq, batch, heads, dim]`` (``"sbhd"``) or ``[total, heads, dim]`` (``"thd"``, varlen with
     ``cu_seqlens``). positions: int ``[seq]``, ``[batch, seq]`` (``[total]`` for thd) or None
-    (the index along seq, or inside each varlen sequence).
+    (the index along seq, or inside each varlen sequence). The keywords are :func:`apply_rotary_qk`'s.
     """
-    qv, _, args = _prepare(x, None, positions, rope_theta, inv_freq, cos, sin, rotary_dim, interleaved, layout,
-                           cu_seqlens, seqlen_offsets, attention_scaling)
-    out, _ = _run(qv, None, args, interleaved, conjugate, inplace, backend)
-    return x if inplace else _from_logical(out, layout)
+    out, _ = apply_rotary_qk(x, None, positions, **options)
+    return out
 
 
 def apply_rotary_qk(
@@ -469,13 +450,14 @@ def apply_rotary_qk(
     inplace: bool = False,
     backend: Optional[str] = None,
 ):
-    """Rotate q and k in one launch (they may have different head counts: GQA/MQA). Returns ``(q, k)``."""
+    """Rotate q and k in one launch (they may have different head counts: GQA/MQA). Returns ``(q, k)``;
+    ``k`` may be None (:func:`apply_rotary`)."""
     qv, kv, args = _prepare(q, k, positions, rope_theta, inv_freq, cos, sin, rotary_dim, interleaved, layout,
                             cu_seqlens, seqlen_offsets, attention_scaling)
     q_out, k_out = _run(qv, kv, args, interleaved, conjugate, inplace, backend)
     if inplace:
         return q, k
-    return _from_logical(q_out, layout), _from_logical(k_out, layout)
+    return _from_logical(q_out, layout), (None if k is None else _from_logical(k_out, layout))
 
 
 from . import _ops, _reference  # noqa: E402  (cheap: neither imports torch at import time)

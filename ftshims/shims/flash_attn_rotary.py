@@ -71,7 +71,7 @@ import logging
 import sys
 import types
 
-from .._util import acted, compiling
+from .._util import acted, compiling, module_globals
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target, TargetMissing
 
 CORE_PARAMS = ("x", "cos", "sin", "seqlen_offsets", "cu_seqlens", "max_seqlen", "interleaved", "inplace", "conjugate")
@@ -128,22 +128,17 @@ def wrap_copies(patcher, original, wrapper, installed):
     this shim's wrapper (``installed`` holds their ids) and is left alone.
     """
     count = 0
-    for module in list(sys.modules.values()):
-        try:
-            namespace = vars(module)
-        except TypeError:
+    for module, attr, value in module_globals():
+        kind = type(value)  # never isinstance(): it falls back to value.__class__, which some module globals warn on
+        if id(value) in installed or kind is not types.FunctionType and not hasattr(kind, "__wrapped__"):
             continue
-        for attr, value in list(namespace.items()):
-            kind = type(value)  # never isinstance(): it falls back to value.__class__, which some module globals warn on
-            if id(value) in installed or kind is not types.FunctionType and not hasattr(kind, "__wrapped__"):
-                continue
-            try:
-                reaches = value is original or inspect.unwrap(value) is original
-            except Exception:  # an object whose __wrapped__ misbehaves is not ours to patch
-                continue
-            if reaches:
-                installed.add(id(patcher.wrap(module, attr, wrapper)))
-                count += 1
+        try:
+            reaches = value is original or inspect.unwrap(value) is original
+        except Exception:  # an object whose __wrapped__ misbehaves is not ours to patch
+            continue
+        if reaches:
+            installed.add(id(patcher.wrap(module, attr, wrapper)))
+            count += 1
     return count
 
 
