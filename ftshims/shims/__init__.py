@@ -19,6 +19,7 @@ SHIM_IDS = (
     "seqcls_pools_before_first_pad",
     "peft_tied_embeddings_lost_on_merge",
     "num_items_in_batch_overcount",
+    "trl_ipo_summed_logps",
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",
 )
