@@ -20,6 +20,7 @@ SHIM_IDS = (
     "peft_tied_embeddings_lost_on_merge",
     "num_items_in_batch_overcount",
     "trl_ipo_summed_logps",
+    "gemma_4_38_norm_and_activation",
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",
 )
