@@ -83,14 +83,10 @@ def make_inplace_function():
 
     class InplaceRotary(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, cos, sin, inv_freq, positions, seqlen_offsets, cu_seqlens, offset, rotary_dim, interleaved, conjugate, scaling):
-            torch.ops.ftshims.rotary_(
-                q, k, cos, sin, inv_freq, positions, seqlen_offsets, cu_seqlens,
-                offset, rotary_dim, interleaved, conjugate, scaling,
-            )
-            ctx.has_k = k is not None
-            ctx.save_for_backward(cos, sin, inv_freq, positions, seqlen_offsets, cu_seqlens)
-            ctx.args = (offset, rotary_dim, interleaved, conjugate, scaling)
+        def forward(ctx, *inputs):  # the op's 13 arguments, in its order
+            torch.ops.ftshims.rotary_(*inputs)
+            _setup_context(ctx, inputs, None)  # the same saved state as the out-of-place op's autograd
+            q, k = inputs[:2]
             if k is not None:
                 ctx.mark_dirty(q, k)
                 return q, k
