@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from .. import verdicts
@@ -71,39 +71,107 @@ class Options:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"}
 
 
+# The report's sections at their empty values, one small type each (docs/doctor-json.md documents the keys).
+# :func:`skeleton` turns them into the JSON-ready dict the steps then fill in.
+
+
+@dataclass
+class FtshimsSection:
+    version: Optional[str] = None
+    location: Optional[str] = None
+    env: Dict[str, Any] = field(default_factory=dict)
+    env_errors: List[Dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class TorchSection:
+    status: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class EnvironmentSection:
+    python: Dict[str, Any] = field(default_factory=dict)
+    platform: Dict[str, Any] = field(default_factory=dict)
+    torch: TorchSection = field(default_factory=TorchSection)
+
+
+@dataclass
+class TrialSection:
+    """How the shims were tried: the import mode, each target module's import, the time it took."""
+
+    mode: Optional[str] = None
+    imports: List[Dict[str, Any]] = field(default_factory=list)
+    seconds: Optional[float] = None
+
+
+@dataclass
+class ProbesSection:
+    """``--probe``: each shim's reproduction without and with the shim, and how the probe servers ran."""
+
+    requested: bool = False
+    seconds: Optional[float] = None
+    results: List[Dict[str, Any]] = field(default_factory=list)
+    mode: Optional[str] = None
+    jobs: Optional[int] = None
+    timeout_s: Optional[float] = None
+    servers_started: int = 0
+    startup_s: Optional[float] = None
+    preloaded: List[str] = field(default_factory=list)
+    preload_errors: List[Dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class FrameworksSection:
+    """Fine-tuning frameworks and patchers installed, their advisories, and the ``--probe`` import check."""
+
+    frameworks: List[Dict[str, Any]] = field(default_factory=list)
+    installed: List[str] = field(default_factory=list)
+    advisories: List[Dict[str, Any]] = field(default_factory=list)
+    probe: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class TimingSection:
+    total_s: Optional[float] = None
+    sections: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """The whole report at its empty values: its shape never depends on what failed."""
+
+    options: Dict[str, Any]
+    flash_attn: Dict[str, Any]
+    schema: str = SCHEMA
+    schema_version: int = SCHEMA_VERSION
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    )
+    ftshims: FtshimsSection = field(default_factory=FtshimsSection)
+    environment: EnvironmentSection = field(default_factory=EnvironmentSection)
+    packages: List[Dict[str, Any]] = field(default_factory=list)
+    trial: TrialSection = field(default_factory=TrialSection)
+    shims: List[Dict[str, Any]] = field(default_factory=list)
+    probes: ProbesSection = field(default_factory=ProbesSection)
+    advisories: List[Dict[str, Any]] = field(default_factory=list)
+    findings: List[Dict[str, Any]] = field(default_factory=list)
+    tested_stack: Dict[str, Any] = field(default_factory=stacks.empty)
+    frameworks: FrameworksSection = field(default_factory=FrameworksSection)
+    summary: Dict[str, Any] = field(default_factory=dict)
+    timing: TimingSection = field(default_factory=TimingSection)
+    errors: List[Dict[str, Any]] = field(default_factory=list)
+
+
+_ORDER = ("schema", "schema_version", "created", "ftshims", "options", "environment", "packages", "flash_attn",
+          "trial", "shims", "probes", "advisories", "findings", "tested_stack", "frameworks", "summary", "timing",
+          "errors")  # the key order of the JSON (docs/doctor-json.md)
+
+
 def skeleton(options: Options) -> Dict[str, Any]:
-    """The report with every section at its empty value: the shape never depends on what failed."""
-    return {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "ftshims": {"version": None, "location": None, "env": {}, "env_errors": []},
-        "options": options.to_dict(),
-        "environment": {"python": {}, "platform": {}, "torch": {"status": None, "error": None}},
-        "packages": [],
-        "flash_attn": flashattn.not_installed(options.flash_attn_timeout),
-        "trial": {"mode": None, "imports": [], "seconds": None},
-        "shims": [],
-        "probes": {
-            "requested": False,
-            "seconds": None,
-            "results": [],
-            "mode": None,
-            "jobs": None,
-            "timeout_s": None,
-            "servers_started": 0,
-            "startup_s": None,
-            "preloaded": [],
-            "preload_errors": [],
-        },
-        "advisories": [],
-        "findings": [],
-        "tested_stack": stacks.empty(),
-        "frameworks": {"frameworks": [], "installed": [], "advisories": [], "probe": None},
-        "summary": {},
-        "timing": {"total_s": None, "sections": {}},
-        "errors": [],
-    }
+    """The report with every section at its empty value (:class:`Report`), as the dict the steps fill in."""
+    sections = asdict(Report(options=options.to_dict(), flash_attn=flashattn.not_installed(options.flash_attn_timeout)))
+    return {key: sections[key] for key in _ORDER}
 
 
 class _Steps:
