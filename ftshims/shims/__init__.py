@@ -21,6 +21,7 @@ SHIM_IDS = (
     "num_items_in_batch_overcount",
     "trl_ipo_summed_logps",
     "gemma_4_38_norm_and_activation",
+    "label_smoothing_peft_unshifted",
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",
 )

@@ -1,0 +1,128 @@
+"""label_smoothing_peft_unshifted: with label_smoothing_factor>0 the Trainer scores a PEFT (LoRA) causal LM's
+logits against shifted labels (transformers 4.21-4.35 left them unshifted for PEFT models)."""
+
+import tempfile
+
+import pytest
+from tests.shimcheck import assert_bug_and_fix
+
+import ftshims
+from ftshims import registry, tiny
+
+SHIM = "label_smoothing_peft_unshifted"
+probe_module = registry.get(SHIM).module
+
+
+def test_peft_causal_lm_smoothed_loss_is_shifted(evidence):
+    assert_bug_and_fix(SHIM, evidence, "LoRA causal LM, label_smoothing_factor=0.1", model="peft_causal")
+
+
+def test_module_wrapped_peft_causal_lm_smoothed_loss_is_shifted(evidence):
+    """Inside a DataParallel container (as Trainer.model_wrapped): 4.36 unwraps it before the PeftModel test, and so
+    does the shim."""
+    assert_bug_and_fix(SHIM, evidence, "LoRA causal LM in a DataParallel container, label_smoothing_factor=0.1",
+                       model="wrapped_peft_causal")
+
+
+def test_plain_causal_lm_is_healthy_everywhere(evidence):
+    """Control: a bare registered causal LM is shifted by every version, with or without the shim."""
+    assert_bug_and_fix(SHIM, evidence, "plain causal LM, label_smoothing_factor=0.1", expect_bug=False,
+                       model="plain_causal")
+
+
+def _trainer(model, smoothing=0.1):
+    from transformers import Trainer, TrainingArguments
+
+    out = tempfile.mkdtemp()
+    with tiny.quiet():
+        args = probe_module.training_args(TrainingArguments, out, label_smoothing_factor=smoothing)
+        return Trainer(model=model, args=args)
+
+
+def _seqcls_lora():
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.LlamaConfig(**dict(tiny.TINY_LLAMA, num_labels=3))
+    torch.manual_seed(0)
+    with tiny.quiet():
+        model = transformers.AutoModelForSequenceClassification.from_config(config)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                          task_type="SEQ_CLS")
+        return get_peft_model(model, lora)
+
+
+def _loss(trainer, model, batch):
+    import torch
+
+    with torch.no_grad(), tiny.quiet():
+        return trainer.compute_loss(model, dict(batch))
+
+
+def test_peft_sequence_classification_loss_is_bit_identical():
+    """A LoRA sequence classifier's labels must not be shifted: its smoothed loss is the same tensor value
+    with and without the shim, and the shim does nothing."""
+    import torch
+
+    model = _seqcls_lora().eval()
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), "labels": torch.tensor([0, 2])}
+    trainer = _trainer(model)
+    plain = _loss(trainer, model, batch)
+    with ftshims.applied(only=[SHIM]):
+        shimmed = _loss(trainer, model, batch)
+        actions = ftshims.status()[SHIM].actions
+    assert torch.equal(plain, shimmed)
+    assert actions == {}
+
+
+def test_no_label_smoothing_passes_through():
+    """label_smoothing_factor=0: the model computes its own (shifted) loss; the shim does nothing."""
+    import torch
+
+    model = tiny.lora(tiny.tiny_llama()).eval()
+    batch = tiny.batch()
+    trainer = _trainer(model, smoothing=0.0)
+    plain = _loss(trainer, model, batch)
+    with ftshims.applied(only=[SHIM]):
+        shimmed = _loss(trainer, model, batch)
+        actions = ftshims.status()[SHIM].actions
+    assert torch.equal(plain, shimmed)
+    assert actions == {}
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _boom(module, args):
+    raise _Boom("forward failed")
+
+
+def test_trainer_untouched_and_mark_cleared_after_errors():
+    """The shim marks the smoother only for the length of one compute_loss call, on this thread: afterwards
+    (also after an exception) a direct smoother call is unshifted as requested, and the trainer is unchanged."""
+    import torch
+
+    model = tiny.lora(tiny.tiny_llama()).eval()
+    batch = tiny.batch()
+    trainer = _trainer(model)
+    smoother = trainer.label_smoother
+    with ftshims.applied(only=[SHIM]) as report:
+        if not report[SHIM].active:
+            pytest.skip(f"{SHIM} not active on this stack: {report[SHIM].reason}")
+        _loss(trainer, model, batch)
+        assert trainer.label_smoother is smoother
+        assert ftshims.status()[SHIM].actions == {"label-smoothed losses computed on shifted labels": 1}
+        handle = model.register_forward_pre_hook(_boom)
+        try:
+            with pytest.raises(_Boom), tiny.quiet():
+                trainer.compute_loss(model, dict(batch))
+        finally:
+            handle.remove()
+        assert getattr(probe_module._STATE, "smoother", None) is None
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits
+        direct = float(smoother({"logits": logits}, batch["labels"]))
+        _, unshifted = probe_module.reference_losses(logits, batch["labels"])
+    assert abs(direct - unshifted) < 1e-5  # outside compute_loss the smoother does what it is told
