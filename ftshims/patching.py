@@ -40,6 +40,10 @@ else (classmethod/staticmethod objects, builtins, callable instances) is
 wrapped with ``wrapt.FunctionWrapper``, which binds those correctly. Either
 way the shim's wrapper has wrapt's signature ``(wrapped, instance, args,
 kwargs)``.
+
+Size: slots, layers and the :class:`Patcher` are one unit: revert works out from the recorded layers,
+and splitting the slot bookkeeping from the layers that write through it would spread that invariant over
+files. The import races live in :mod:`ftshims.imports`, foreign-patch detection in :mod:`ftshims.foreign`.
 """
 
 from __future__ import annotations

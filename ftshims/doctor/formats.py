@@ -3,6 +3,9 @@
 Renderers only read the report dict (docs/doctor-json.md); each section has
 one text and one Markdown renderer, and an empty probes, advisories or
 findings section renders as nothing.
+
+Size: every report section has a text and a Markdown renderer, kept side by side so that the two forms
+of a section change together; each renderer is short.
 """
 
 from __future__ import annotations

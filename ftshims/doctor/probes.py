@@ -40,6 +40,10 @@ through (a disabled shim's bug then shows "with the shim" too: unpatched);
 ``FTSHIMS_AUTO`` is not (the worker starts unpatched; ``compare`` applies the
 shim itself). Progress goes to stderr, one line per probe, so ``--json`` on
 stdout stays clean.
+
+Size: the worker-server protocol and its failure handling (time limits, crashes, restarts, the budget)
+are one state machine shared by the probe run and its result rows; the child side is
+:mod:`._probe_worker`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ shim's reproduction run without and with the shim in child processes, see
 setup lint of ``--model``/``--adapter``/``--tokenizer``/``--deepspeed``/
 ``--train-config``, see :mod:`ftshims.lint`). :func:`summarize` turns unpatched
 present probe bugs and error-severity findings into problems (exit code 1).
+
+Size: the report's typed sections, the guarded steps that fill them, the advisory rows and the summary
+(exit code, problems, headline) form one pipeline over one report; the renderers (:mod:`.formats`), the
+probes (:mod:`.probes`) and the shim rows (:mod:`.shims`) are their own modules.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ a value that is not ``"auto"`` must equal the TrainingArguments value
 (including TrainingArguments' *default* when the training config leaves it
 out), else ``Trainer`` raises ``ValueError: Please correct the following
 DeepSpeed config values that mismatch TrainingArguments values``.
+
+Size: about half of this module is DeepSpeed's config schema kept as data (the key tables above, with
+the sources they were read from); the rules that read it are short. One module, so that a schema update
+is one diff next to the rules it feeds.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 Each ``check_*`` function reads the :class:`~ftshims.lint.Context` and
 adds findings; :func:`ftshims.lint.run` calls each one in a guard, so a
 rule that raises costs its own findings only (reported as ``lint-rule-failed``).
+
+Size: ten ``check_*`` functions (one per input or concern, together most of the 25 rules of
+:mod:`.findings`), each independent of the others; the inputs they read live in :mod:`.inputs`, model
+facts in :mod:`.model`, the DeepSpeed rules in :mod:`.deepspeed`.
 """
 
 from __future__ import annotations
