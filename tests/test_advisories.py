@@ -193,6 +193,18 @@ CASES = {
         ({"transformers": "4.42.4"}, None, False),  # all three fixed
         ({"transformers": N}, None, False),
     ],
+    "gemma_hidden_act_gelu_exact_regression": [
+        ({"transformers": "4.48.0"}, None, True),  # PR #35235: GemmaMLP(LlamaMLP) reads hidden_act
+        ({"transformers": "4.57.6"}, None, True),
+        ({"transformers": "5.0.0rc0"}, None, True),  # pre-release inside the range
+        ({"transformers": "5.17.0"}, None, True),  # last release without the config conversion
+        ({"transformers": "4.47.1"}, None, False),  # tanh unless hidden_activation says otherwise
+        ({"transformers": "4.48.0.dev0"}, None, False),  # below 4.48.0
+        ({"transformers": "4.38.2"}, None, False),  # exact GELU too, but before #29402: not this regression
+        ({"transformers": "5.18.0"}, None, False),  # GemmaConfig maps "gelu" to "gelu_pytorch_tanh"
+        ({"transformers": "5.18.0.dev0"}, None, False),  # dev build of the fix counts as fixed
+        ({"transformers": N}, None, False),
+    ],
     "trl_sft_double_bos_conversational": [
         ({"trl": "0.15.0"}, None, True),
         ({"trl": "0.16.1"}, None, True),
@@ -549,6 +561,7 @@ def test_matching_reads_installed_versions_when_none_given(monkeypatch):
     monkeypatch.setattr(advisories, "installed_version", installed)
     assert [a.id for a in advisories.matching()] == [
         "ga_loss_scaling_4_48_0",
+        "gemma_hidden_act_gelu_exact_regression",
         "fa2_right_padding_raises_in_training",
         "fa2_right_padding_raises_in_training_mixtral",
         "fa2_right_padding_raises_in_training_qwen2_moe",
@@ -584,9 +597,10 @@ def test_the_pinned_stacks_see_the_expected_advisories():
                   "average_tokens_across_devices_off"}),
         "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"},
                  {"num_items_in_batch_overcount_4_46", "fa2_right_padding_raises_in_training_qwen2_moe",
-                  "average_tokens_across_devices_off"}),
+                  "average_tokens_across_devices_off", "gemma_hidden_act_gelu_exact_regression"}),
         "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"},
-                  {"deepseek_v2_yarn_missing_mscale", "fa2_right_padding_raises_in_training_qwen2_moe"}),
+                  {"deepseek_v2_yarn_missing_mscale", "fa2_right_padding_raises_in_training_qwen2_moe",
+                   "gemma_hidden_act_gelu_exact_regression"}),
         "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"}, set()),
     }
     for name, (versions, expected) in stacks.items():
