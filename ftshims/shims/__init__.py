@@ -22,6 +22,7 @@ SHIM_IDS = (
     "trl_ipo_summed_logps",
     "gemma_4_38_norm_and_activation",
     "label_smoothing_peft_unshifted",
+    "trl_orpo_log_odds_nan",
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",
 )
