@@ -23,6 +23,7 @@ SHIM_IDS = (
     "gemma_4_38_norm_and_activation",
     "label_smoothing_peft_unshifted",
     "trl_orpo_log_odds_nan",
+    "fa2_right_padding_in_training",
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",
 )
