@@ -1,5 +1,6 @@
-"""label_smoothing_peft_unshifted: with label_smoothing_factor>0 the Trainer scores a PEFT (LoRA) causal LM's
-logits against shifted labels (transformers 4.21-4.35 left them unshifted for PEFT models)."""
+"""label_smoothing_peft_unshifted: with label_smoothing_factor>0 the Trainer scores a PEFT causal LM's logits
+against shifted labels (transformers 4.21-4.35 left them unshifted for LoRA-style PEFT models; 4.21-4.31 and
+every release from 4.36 leave them unshifted for prefix tuning)."""
 
 import tempfile
 
@@ -13,15 +14,32 @@ SHIM = "label_smoothing_peft_unshifted"
 probe_module = registry.get(SHIM).module
 
 
+def _transformers_before(version):
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)
+
+
 def test_peft_causal_lm_smoothed_loss_is_shifted(evidence):
-    assert_bug_and_fix(SHIM, evidence, "LoRA causal LM, label_smoothing_factor=0.1", model="peft_causal")
+    """LoRA: unshifted before 4.36 (PR #27162), shifted from 4.36 (the shim's forced shift is then a no-op)."""
+    assert_bug_and_fix(SHIM, evidence, "LoRA causal LM, label_smoothing_factor=0.1",
+                       expect_bug=_transformers_before("4.36"), model="peft_causal")
 
 
 def test_module_wrapped_peft_causal_lm_smoothed_loss_is_shifted(evidence):
     """Inside a DataParallel container (as Trainer.model_wrapped): 4.36 unwraps it before the PeftModel test, and so
     does the shim."""
     assert_bug_and_fix(SHIM, evidence, "LoRA causal LM in a DataParallel container, label_smoothing_factor=0.1",
-                       model="wrapped_peft_causal")
+                       expect_bug=_transformers_before("4.36"), model="wrapped_peft_causal")
+
+
+def test_prefix_tuned_causal_lm_smoothed_loss_is_shifted(evidence):
+    """Prefix tuning: 4.21-4.31 read "PeftModelForCausalLM" (unshifted), 4.32-4.35 read base_model's name, the
+    causal LM itself (shifted), and 4.36+ read base_model.model's, the headless backbone (unshifted again)."""
+    buggy = _transformers_before("4.32") or not _transformers_before("4.36")
+    assert_bug_and_fix(SHIM, evidence, "prefix-tuned causal LM, label_smoothing_factor=0.1", expect_bug=buggy,
+                       model="prefix_causal")
 
 
 def test_plain_causal_lm_is_healthy_everywhere(evidence):
@@ -126,3 +144,73 @@ def test_trainer_untouched_and_mark_cleared_after_errors():
         direct = float(smoother({"logits": logits}, batch["labels"]))
         _, unshifted = probe_module.reference_losses(logits, batch["labels"])
     assert abs(direct - unshifted) < 1e-5  # outside compute_loss the smoother does what it is told
+
+
+def _prompt_tuned():
+    from peft import PromptTuningConfig, get_peft_model
+
+    base = tiny.tiny_llama(num_key_value_heads=tiny.TINY_LLAMA["num_attention_heads"])
+    with tiny.quiet():
+        return get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+
+
+def _error(trainer, model, batch):
+    try:
+        _loss(trainer, model, batch)
+    except RuntimeError as exc:  # the logits carry the virtual tokens, the labels do not
+        return str(exc)
+    return None
+
+
+def test_prompt_tuning_is_left_as_upstream_has_it():
+    """Prompt tuning prepends virtual tokens, so its logits are longer than the labels and no shift aligns them:
+    upstream's smoother fails on the shapes; the shim passes through and the failure stays the same."""
+    model = _prompt_tuned()
+    batch = tiny.batch()
+    trainer = _trainer(model)
+    plain = _error(trainer, model, batch)
+    with ftshims.applied(only=[SHIM]):
+        shimmed = _error(trainer, model, batch)
+        actions = ftshims.status()[SHIM].actions
+    assert plain is not None and shimmed == plain
+    assert actions == {}
+
+
+def test_predicate_sees_through_torch_compile():
+    """A torch.compile wrapper (accelerate's unwrap_model strips it in 4.46+) is unwrapped like a container;
+    the causal LM inside is base_model for prefix tuning, base_model.model for LoRA; other heads are not."""
+    import torch
+
+    prefix = probe_module.prefix_tuned(tiny.tiny_llama(num_key_value_heads=tiny.TINY_LLAMA["num_attention_heads"]))
+    lora = tiny.lora(tiny.tiny_llama())
+    assert probe_module.is_peft_registered_causal_lm(prefix)
+    assert probe_module.is_peft_registered_causal_lm(torch.compile(lora))  # lazy: nothing is compiled here
+    assert not probe_module.is_peft_registered_causal_lm(_seqcls_lora())
+    assert not probe_module.is_peft_registered_causal_lm(prefix.base_model)  # not a PeftModel
+
+
+def test_compute_loss_func_passes_through():
+    """4.46+: a compute_loss_func takes the labels instead of the smoother; the shim leaves that call alone."""
+    import inspect
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    if "compute_loss_func" not in inspect.signature(Trainer.__init__).parameters:
+        pytest.skip("this transformers' Trainer takes no compute_loss_func")
+    model = probe_module.prefix_tuned(tiny.tiny_llama(num_key_value_heads=tiny.TINY_LLAMA["num_attention_heads"]))
+    model.eval()
+    batch = tiny.batch()
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        return trainer.label_smoother(outputs, labels)  # a user function that reuses the trainer's smoother
+
+    with tiny.quiet():
+        args = probe_module.training_args(TrainingArguments, tempfile.mkdtemp(), label_smoothing_factor=0.1)
+        trainer = Trainer(model=model, args=args, compute_loss_func=loss_func)
+    plain = _loss(trainer, model, batch)
+    with ftshims.applied(only=[SHIM]):
+        shimmed = _loss(trainer, model, batch)
+        actions = ftshims.status()[SHIM].actions
+    assert torch.equal(plain, shimmed)
+    assert actions == {}

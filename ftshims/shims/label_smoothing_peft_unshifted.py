@@ -1,29 +1,41 @@
 """``Trainer`` label smoothing scores a PEFT causal LM's logits against unshifted labels.
 
 Why: with ``label_smoothing_factor > 0`` the Trainer pops the labels and computes the loss itself with its
-``LabelSmoother``. Since 4.21 (PR #17987) it passes ``shift_labels=True`` only when the model's class name is in
-``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. For a PEFT model the name it reads is not the causal LM's: 4.21-4.31 read
-``unwrap_model(model)._get_name()`` ("PeftModelForCausalLM"), 4.32-4.35 read
-``unwrap_model(model.base_model)._get_name()`` for a ``PeftModel`` (the tuner: "LoraModel", "IA3Model", ...).
+``LabelSmoother``. Since 4.21 (PR #17987) it passes ``shift_labels=True`` only when a class name it reads is in
+``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. For a PEFT model the name it reads is often not the causal LM's:
+
+* 4.21-4.31 read ``unwrap_model(model)._get_name()``: "PeftModelForCausalLM", never shifted;
+* 4.32-4.35 (PR #25044) read ``unwrap_model(model.base_model)._get_name()`` for a ``PeftModel``: the tuner
+  ("LoraModel", "IA3Model", ...) for LoRA-style methods, not shifted; the causal LM itself for prompt-learning
+  methods (their ``base_model`` is the transformer), shifted;
+* 4.36.0 (PR #27162) and every later release read (5.24.0 included) read
+  ``unwrapped_model.base_model.model._get_name()`` for a ``PeftModel``: the causal LM for LoRA-style methods
+  (fixed), but for prompt-learning methods (prefix tuning) the headless backbone ("LlamaModel"), not shifted:
+  a regression of the prompt-learning case, unfixed in every release read.
+
 So the logits at position t are scored against the token at t: the adapter learns to copy the current token,
 the loss falls fast, no warning, and the trained model generates repetition (transformers#27161, Qwen#834).
-4.36.0 (PR #27162) reads ``unwrap_model(model).base_model.model._get_name()`` for a ``PeftModel``.
 
-The fix: wrap ``Trainer.compute_loss`` and, exactly in the case 4.36 fixed (the trainer has a label smoother,
-the inputs carry ``labels``, the model unwrapped through ``.module`` like upstream's ``unwrap_model`` is a peft
-``PeftModel`` and the class name of its ``base_model.model`` is in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``),
-mark that trainer's smoother in a thread-local for the duration of the call. A wrapper on
-``LabelSmoother.__call__`` then calls the marked smoother with ``shift_labels=True``. Nothing on the trainer is
-mutated, so other threads and other trainers see no change; nested calls save and restore the mark.
-Forcing ``shift_labels=True`` is idempotent: where upstream already shifts, the result is the same.
+The fix, one predicate for every version: the model, unwrapped through ``.module`` like upstream's
+``unwrap_model`` (and through ``torch.compile``'s ``_orig_mod``), is a peft ``PeftModel`` and the causal LM inside
+it (``base_model`` for a prompt-learning config, ``base_model.model`` otherwise: the tuner, e.g. ``LoraModel`` or
+``PolyModel``, holds it there) has a class name in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. Then the shim wraps
+``Trainer.compute_loss`` and, when the trainer has a label smoother, no ``compute_loss_func`` (4.46+) and the
+inputs carry ``labels``, marks that trainer's smoother in a thread-local for the duration of the call. A wrapper
+on ``LabelSmoother.__call__`` then calls the marked smoother with ``shift_labels=True`` (other arguments, such as
+5.x's ``num_items_in_batch``, pass unchanged), provided the logits have one position per label. Nothing on the
+trainer is mutated, so other threads and other trainers see no change; nested calls save and restore the mark.
+Forcing ``shift_labels=True`` where upstream already shifts (LoRA on 4.36+, prefix tuning on 4.32-4.35) gives the
+same result, so the predicate need not mirror each version's lookup.
 
-Applies to transformers >=4.21.0,<4.36.0 with peft installed (without peft there is no PeftModel). Before 4.21
-no model's labels were shifted for the smoother at all (4.20.1 ``self.label_smoother(outputs, labels)``), a
+Applies to transformers >=4.21.0 with peft installed (without peft there is no PeftModel). Before 4.21 no
+model's labels were shifted for the smoother at all (4.20.1 ``self.label_smoother(outputs, labels)``), a
 different bug. Fallback, unchanged: non-PEFT models, PEFT models of other heads (sequence classification,
-seq2seq: ``base_model.model`` not a registered causal LM), prompt-learning PEFT models (their ``base_model`` is
-the transformer itself, so ``base_model.model`` is the headless backbone; 4.36+ does not shift them either),
-causal LMs whose class is not registered (remote code), no label smoothing, a custom ``label_smoother`` that
-is not a ``LabelSmoother``, and subclasses that override ``compute_loss`` without calling it.
+seq2seq: no registered causal LM inside), causal LMs whose class is not registered (remote code), no label
+smoothing, a ``compute_loss_func``, a custom ``label_smoother`` that is not a ``LabelSmoother``, subclasses
+that override ``compute_loss`` without calling it, and logits longer than the labels: prompt tuning and
+p-tuning prepend virtual tokens to the sequence, so label smoothing fails there with a shape error, shifted
+or not (a separate upstream limitation this shim leaves as it is).
 """
 
 from __future__ import annotations
@@ -36,15 +48,18 @@ from ..spec import Observation, ShimSpec, Target, TargetMissing
 
 SPEC = ShimSpec(
     id="label_smoothing_peft_unshifted",
-    title="Trainer label smoothing on a PEFT causal LM scores logits against unshifted labels",
-    symptom="label_smoothing_factor>0 with a LoRA (PEFT) causal LM: the smoothed loss compares the logits at "
-    "position t with the token at t, so the adapter learns to copy the current token (fast-falling loss, "
-    "repetitive generations), silently",
-    why="transformers 4.21-4.35 shift the labels for the label smoother only when the model's class name is a "
-    "registered causal LM, and for a PEFT model they read the wrapper's or the tuner's name instead. The shim "
-    "makes the smoother shift the labels for a PEFT-wrapped registered causal LM, as 4.36 does.",
-    requires={"transformers": ">=4.21.0,<4.36.0", "peft": ">=0"},
-    fixed_in={"transformers": "4.36.0"},
+    title="Trainer label smoothing on a PEFT causal LM scores logits against unshifted labels "
+    "(LoRA fixed in 4.36; prefix tuning unfixed)",
+    symptom="label_smoothing_factor>0 with a PEFT causal LM (LoRA-style on transformers <4.36; prefix tuning on "
+    "<4.32 and on every release from 4.36): the smoothed loss compares the logits at position t with the token "
+    "at t, so the adapter learns to copy the current token (fast-falling loss, repetitive generations), silently",
+    why="transformers shift the labels for the label smoother only when a class name they read is a registered "
+    "causal LM, and for a PEFT model they read the wrong one: the wrapper's or the tuner's before 4.36 (the "
+    "LoRA-style case, fixed in 4.36 by PR #27162), and since 4.36 base_model.model, which for prompt-learning "
+    "methods is the headless backbone (not fixed in any release read, 5.24.0 included). The shim makes the "
+    "smoother shift the labels whenever the causal LM inside the PeftModel is registered.",
+    requires={"transformers": ">=4.21.0", "peft": ">=0"},
+    fixed_in={},
     refs=(
         "https://github.com/huggingface/transformers/issues/27161",
         "https://github.com/huggingface/transformers/pull/27162",
@@ -64,17 +79,35 @@ _STATE = threading.local()
 
 
 def _unwrap(model):
-    """Follow ``.module`` like transformers' ``unwrap_model`` (DDP, DeepSpeed engines)."""
-    seen = 0
-    while hasattr(model, "module") and seen < 16:  # bounded: a self-referencing .module must not hang training
-        model = model.module
-        seen += 1
+    """Follow ``.module`` like transformers' ``unwrap_model`` (DDP, DeepSpeed engines), and a ``torch.compile``
+    wrapper's ``_orig_mod`` like accelerate's ``unwrap_model`` (4.46+ use it)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded whenever torch.compile was used
+    compiled_cls = getattr(eval_frame, "OptimizedModule", None) if eval_frame is not None else None
+    for _ in range(16):  # bounded: a self-referencing .module must not hang training
+        if hasattr(model, "module"):
+            model = model.module
+        elif compiled_cls is not None and isinstance(model, compiled_cls):
+            model = model._orig_mod
+        else:
+            break
     return model
 
 
+def _is_prompt_learning(config) -> bool | None:
+    """peft 0.6.2, 0.7.1, 0.10.0, 0.13.2, 0.17.1 and 0.21.2 (read) expose ``PeftConfig.is_prompt_learning``;
+    0.4.0 has only the ``PromptLearningConfig`` base class. None when neither tells."""
+    flag = getattr(config, "is_prompt_learning", None)
+    if isinstance(flag, bool):
+        return flag
+    prompt_cls = getattr(sys.modules.get("peft"), "PromptLearningConfig", None)
+    if isinstance(prompt_cls, type):
+        return isinstance(config, prompt_cls)
+    return None
+
+
 def is_peft_registered_causal_lm(model) -> bool:
-    """True when ``model`` (unwrapped) is a ``PeftModel`` whose ``base_model.model`` is a registered causal LM:
-    the model 4.36's ``compute_loss`` shifts and 4.21-4.35's does not."""
+    """True when ``model`` (unwrapped) is a ``PeftModel`` whose causal LM (``base_model`` for prompt-learning
+    configs, ``base_model.model`` otherwise) has a class name in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``."""
     peft = sys.modules.get("peft")  # a PeftModel exists only if peft was imported; never import it here
     peft_model_cls = getattr(peft, "PeftModel", None) if peft is not None else None
     if peft_model_cls is None:
@@ -82,7 +115,16 @@ def is_peft_registered_causal_lm(model) -> bool:
     model = _unwrap(model)
     if not isinstance(model, peft_model_cls):
         return False
-    inner = getattr(getattr(model, "base_model", None), "model", None)
+    try:
+        config = model.active_peft_config
+    except (AttributeError, KeyError, TypeError):  # no single active adapter config: cannot tell, pass through
+        return False
+    prompt_learning = _is_prompt_learning(config)
+    if prompt_learning is None:
+        return False
+    inner = getattr(model, "base_model", None)
+    if not prompt_learning:
+        inner = getattr(inner, "model", None)
     get_name = getattr(inner, "_get_name", None)
     if not callable(get_name):
         return False
@@ -102,7 +144,9 @@ def _compute_loss(wrapped, instance, args, kwargs):
         has_labels = "labels" in inputs
     except TypeError:  # inputs that are not a mapping: upstream decides (and raises) as before
         has_labels = False
-    if not has_labels or not is_peft_registered_causal_lm(model):
+    if not has_labels or getattr(instance, "compute_loss_func", None) is not None:
+        return wrapped(*args, **kwargs)  # 4.46+: a compute_loss_func takes the labels instead of the smoother
+    if not is_peft_registered_causal_lm(model):
         return wrapped(*args, **kwargs)
     previous = getattr(_STATE, "smoother", None)
     _STATE.smoother = smoother
@@ -112,8 +156,22 @@ def _compute_loss(wrapped, instance, args, kwargs):
         _STATE.smoother = previous
 
 
+def _one_logit_per_label(args, kwargs) -> bool:
+    """The logits (read as ``LabelSmoother`` reads them) have one position per label. Prompt tuning and
+    p-tuning prepend virtual tokens, so their logits are longer and no shift aligns them: pass through."""
+    output = args[0] if args else kwargs.get("model_output")
+    labels = args[1] if len(args) > 1 else kwargs.get("labels")
+    try:
+        logits = output["logits"] if isinstance(output, dict) else output[0]
+        return tuple(logits.shape[:-1]) == tuple(labels.shape)
+    except (AttributeError, IndexError, KeyError, TypeError):  # not tensors as expected: upstream decides
+        return False
+
+
 def _label_smoother_call(wrapped, instance, args, kwargs):
     if instance is None or getattr(_STATE, "smoother", None) is not instance:
+        return wrapped(*args, **kwargs)
+    if not _one_logit_per_label(args, kwargs):
         return wrapped(*args, **kwargs)
     # (model_output, labels, shift_labels=False): set shift_labels=True wherever it was passed
     if len(args) >= 3:
@@ -157,10 +215,14 @@ def _data_parallel(inner):
 
 
 def probe(model: str = "peft_causal") -> Observation:
-    """``Trainer(label_smoothing_factor=0.1).compute_loss`` on a tiny Llama, as ``model``:
+    """``Trainer(label_smoothing_factor=0.1).compute_loss`` on a tiny Llama (multi-head attention: old peft
+    builds prefix-tuning caches with one head per attention head and fails on grouped-query attention), as
+    ``model``:
 
-    * ``peft_causal``: LoRA ``PeftModelForCausalLM`` (the bug);
+    * ``peft_causal``: LoRA ``PeftModelForCausalLM`` (the bug before 4.36);
     * ``wrapped_peft_causal``: the same inside a ``DataParallel`` container (4.36 unwraps it first too);
+    * ``prefix_causal``: prefix tuning (``base_model`` is the causal LM itself): the bug before 4.32 and
+      again from 4.36;
     * ``plain_causal``: the bare ``LlamaForCausalLM`` (shifted on every version: the healthy control).
 
     Bug: the loss differs (beyond 1e-5) from ``LabelSmoother(0.1)(outputs, labels, shift_labels=True)``.
@@ -172,11 +234,13 @@ def probe(model: str = "peft_causal") -> Observation:
 
     from .. import tiny
 
-    base = tiny.tiny_llama()
+    base = tiny.tiny_llama(num_key_value_heads=tiny.TINY_LLAMA["num_attention_heads"])
     if model == "plain_causal":
         inner = base
     elif model in ("peft_causal", "wrapped_peft_causal"):
         inner = tiny.lora(base)
+    elif model == "prefix_causal":
+        inner = prefix_tuned(base)
     else:
         raise ValueError(f"unknown model scenario {model!r}")
     inner.eval()
@@ -193,6 +257,17 @@ def probe(model: str = "peft_causal") -> Observation:
     detail = (f"{model}: compute_loss {loss:.6f}; smoothed loss on shifted labels {shifted:.6f}, "
               f"on unshifted labels {unshifted:.6f}")
     return Observation(abs(loss - shifted) > 1e-5, detail)
+
+
+def prefix_tuned(model, num_virtual_tokens: int = 3):
+    """Wrap ``model`` with prefix tuning (a prompt-learning method: no virtual tokens in the logits)."""
+    from peft import PrefixTuningConfig, get_peft_model
+
+    from .. import tiny
+
+    config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens)
+    with tiny.quiet():
+        return get_peft_model(model, config)
 
 
 def reference_losses(logits, labels):
