@@ -125,9 +125,8 @@ def rotary_flash(session: nox.Session) -> None:
     session.run("python", "tools/fetch_flash_attn_sources.py", "--dest", str(sources), "--check", env=env)
     session.run(
         "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels",
-        "tests/test_shim_flash_attn_rotary.py", "tests/test_shim_flash_attn_rotary_kernel.py",
-        "tests/test_flash_attn_upstream_rotary.py", "tests/test_shim_rope_inv_freq_fp32.py",
-        "tests/test_shim_rope_fused_kernel.py", "--hypothesis-profile=fuzz", "--hypothesis-show-statistics",
+        "tests/shims/test_flash_attn_rotary.py", "tests/shims/test_flash_attn_rotary_kernel.py",
+        "tests/shims/test_rope_inv_freq_fp32.py", "tests/shims/test_rope_fused_kernel.py", "--hypothesis-profile=fuzz", "--hypothesis-show-statistics",
         *session.posargs, env=env,
     )
     # The mutation check of the flash-attn shims (tools/mutation.py), which need these sources.

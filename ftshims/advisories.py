@@ -21,7 +21,7 @@ is not installed); names are compared PEP 503-normalised, so ``flash_attn``,
 ``Flash-Attn`` and ``flash-attn`` are the same key. ``matching(None)`` reads the
 installed versions itself.
 
-Matching rules (tested in tests/test_advisories.py):
+Matching rules (tested in tests/doctor/test_advisories.py):
 
 * every ``when`` entry must hold; a distribution that is not installed never
   holds unless the advisory lists it in ``absent_matches``;

@@ -24,8 +24,8 @@ class ShimModule(Protocol):
     makes every change through the :class:`~ftshims.patching.Patcher` (raising
     ``TargetMissing`` when a target is absent or changed); an optional
     ``probe(**scenario) -> Observation`` reproduces the bug on a tiny model, for
-    the tests and the doctor. Adding a shim, the checklist (tests/test_shim_checklist.py
-    enforces it): the module; its id in ``SHIM_IDS``; ``tests/test_shim_<id>.py``,
+    the tests and the doctor. Adding a shim, the checklist (tests/registry/test_checklist.py
+    enforces it): the module; its id in ``SHIM_IDS``; ``tests/shims/test_<id>.py``,
     whose tests fail against a no-op version (``nox -s mutation_check``); evidence
     from a matrix run (``python -m ftshims.matrix --evidence DIR --record``); the
     regenerated COMPAT_MATRIX.md (``python -m ftshims.matrix``).

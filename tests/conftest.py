@@ -64,17 +64,14 @@ class Evidence:
 # matrix leaves them to the default stack (nox -s tests) and spends its budget on the shims.
 DEFAULT_STACK_ONLY = (
     "tests/kernels/",
-    "tests/test_canary.py",
-    "tests/test_distributed.py",
-    "tests/test_lint.py",
-    "tests/test_flash_attn_upstream_rotary.py",
-    "tests/test_lifecycle.py",
-    "tests/test_matrix.py",
-    "tests/test_settings.py",
-    "tests/test_shim_checklist.py",
-    "tests/test_compile.py::test_wrapper_effect_is_in_the_compiled_graph_and_gone_after_revert",
-    "tests/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[llama-sdpa]",
-    "tests/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[mistral-sdpa]",
+    "tests/registry/",
+    "tests/lint/",
+    "tests/e2e/test_distributed.py",
+    "tests/lifecycle/test_apply_revert.py",
+    "tests/lifecycle/test_settings.py",
+    "tests/lifecycle/test_compile.py::test_wrapper_effect_is_in_the_compiled_graph_and_gone_after_revert",
+    "tests/lifecycle/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[llama-sdpa]",
+    "tests/lifecycle/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[mistral-sdpa]",
 )
 
 

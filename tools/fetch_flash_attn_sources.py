@@ -6,7 +6,7 @@ Python + Triton: ``flash_attn/layers/rotary.py`` and
 ``flash_attn/ops/triton/rotary.py``. The tests of the ``flash_attn_rotary`` and
 ``flash_attn_rotary_kernel`` shims run those *released* files on CPU with
 Triton's interpreter (``TRITON_INTERPRET=1``), and so does flash-attn's own
-``tests/test_rotary.py`` (tests/test_flash_attn_upstream_rotary.py). This
+``tests/test_rotary.py`` (tests/kernels/test_flash_attn_upstream_rotary.py). This
 script runs at install time (CI: before pytest), never at test time, and lays
 out one importable tree per version:
 

@@ -7,7 +7,7 @@ Each ``fix`` shim is checked on one stack where its bug exists: the default
 stack when the shim's range includes it, else the newest pinned stack inside
 its range; flash-attn shims in the ``rotary_flash`` session (``fa_rotary``),
 whose tests load flash-attn's released sources. There its test file
-(``tests/test_shim_<id>.py``) runs with ``--noop-shim <id>`` (tests/noop_shims.py:
+(``tests/shims/test_<id>.py``) runs with ``--noop-shim <id>`` (tests/noop_shims.py:
 the shim installs, but every patch passes through). Outcomes:
 
 * **caught** — the tests fail: they can tell the shim from its absence;
@@ -62,7 +62,7 @@ def run_stack(stack: str, out: Path, extra_args) -> int:
     shim_ids = sorted(shim_id for shim_id, where in assignment().items() if where == stack)
     results = {}
     for shim_id in shim_ids:
-        test_file = ROOT / "tests" / f"test_shim_{shim_id}.py"
+        test_file = ROOT / "tests" / "shims" / f"test_{shim_id}.py"
         started = time.time()
         if not test_file.exists():
             results[shim_id] = {"outcome": "not run", "detail": f"no {test_file.relative_to(ROOT)}"}

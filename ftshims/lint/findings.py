@@ -2,7 +2,7 @@
 
 ``python -m ftshims.doctor --explain RULE`` prints a rule from this module, so an installed package can
 explain its findings without the repository's docs; docs/doctor-json.md's rule table is the same text
-(tests/test_lint.py keeps the two equal).
+(tests/lint/test_lint.py keeps the two equal).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ masks, and from 4.36 on the masks never go below ``finfo.min`` at all, so the
 clamp is a no-op. The overflow happens *after* the mask is built, when the
 (negative) attention score is added to ``finfo.min`` in fp16: a clamped row of
 ``finfo.min`` still becomes a row of ``-inf`` and still softmaxes to NaN
-(``tests/test_shim_expand_mask_clamp.py::test_naive_clamp_is_not_enough``).
+(``tests/shims/test_expand_mask_clamp.py::test_naive_clamp_is_not_enough``).
 What cures it is to give every fully-masked row something finite to attend to.
 
 The fix, at mask level: every additive fp16 mask transformers builds is

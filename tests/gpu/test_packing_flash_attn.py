@@ -1,6 +1,6 @@
 """Packing under the real flash-attention kernels (FA2 / FA3): needs CUDA and flash_attn.
 
-Run with `pytest -m gpu tests/gpu`. Same scenarios as tests/test_shim_flash_attn_packing.py (which
+Run with `pytest -m gpu tests/gpu`. Same scenarios as tests/shims/test_flash_attn_packing.py (which
 drives the same transformers code on CPU with a pure-torch kernel), in bf16 on the GPU, plus the
 eager/sdpa shim on CUDA in bf16.
 """

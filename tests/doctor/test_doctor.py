@@ -32,7 +32,7 @@ from ftshims.patching import resolve
 from ftshims.probing import in_affected_range
 from ftshims.spec import ShimSpec, TargetMissing
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = Options(trial_imports=False, check_flash_attn=False)
 
 TOP_LEVEL = (

@@ -74,9 +74,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from tests.test_shim_flash_attn_rotary import VERSIONS, missing, sources
+from tests.shims.test_flash_attn_rotary import VERSIONS, missing, sources
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEST_FILE = "tests/test_rotary.py"
 CONFIGS = ("default", "kernel")
 PARALLEL = 2  # children at a time
@@ -97,7 +97,7 @@ REWRITES = (
 DIFFERENCES: dict = {}
 
 CHILD_CONFTEST = '''
-"""Written by tests/test_flash_attn_upstream_rotary.py: CPU launch, shims per configuration, skips, subsample."""
+"""Written by tests/kernels/test_flash_attn_upstream_rotary.py: CPU launch, shims per configuration, skips, subsample."""
 import itertools
 import json
 import os

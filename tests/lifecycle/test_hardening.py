@@ -25,7 +25,7 @@ from ftshims.patching import resolve, wrapper_depth
 from ftshims.probing import in_affected_range
 from ftshims.versions import in_range, installed_version
 
-from tests.test_real_shims_lifecycle import _snapshot
+from tests.lifecycle.test_real_shims import _snapshot
 
 COUNTS = {"cases": 0}
 

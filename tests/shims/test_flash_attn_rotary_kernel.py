@@ -1,6 +1,6 @@
 """The opt-in speed shim flash_attn_rotary_kernel against the *released* flash-attn rotary files.
 
-Same sources and fixture as tests/test_shim_flash_attn_rotary.py. A speed shim
+Same sources and fixture as tests/shims/test_flash_attn_rotary.py. A speed shim
 has no bug to fix: its "bug" scenario is a difference from flash-attn's own
 kernel beyond about one rounding of the dtype, and must never show, neither
 without the shim (trivially) nor with it.
@@ -12,7 +12,7 @@ import inspect
 
 import pytest
 from tests.shimcheck import assert_bug_and_fix
-from tests.test_shim_flash_attn_rotary import _tables, fa_modules, fa_version  # noqa: F401  (fa_version: the fixture)
+from tests.shims.test_flash_attn_rotary import _tables, fa_modules, fa_version  # noqa: F401  (fa_version: the fixture)
 
 torch = pytest.importorskip("torch")
 

@@ -120,7 +120,7 @@ def test_applied_before_transformers_is_imported():
         " num_hidden_layers=1, max_position_embeddings=4096).to(torch.bfloat16);"
         "print('ERROR', rope_error(m))"
     )
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=600,
                          env=dict(__import__("os").environ, PYTHONPATH=repo))
     assert out.returncode == 0, out.stderr[-2000:]

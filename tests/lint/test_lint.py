@@ -18,7 +18,7 @@ from ftshims.doctor import cli
 from ftshims.lint import findings as findings_mod
 from ftshims.lint import rules as rules_mod
 
-FIX = Path(__file__).resolve().parent / "fixtures" / "lint"
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 LLAMA = str(FIX / "models" / "llama_tiny")
 GPT2 = str(FIX / "models" / "gpt2_tiny")
 
@@ -380,7 +380,7 @@ def test_explain_an_unknown_rule_is_a_usage_error_naming_close_matches(capsys):
 
 
 def test_rule_explanations_are_the_documented_table():
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "doctor-json.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "doctor-json.md").read_text()
     table = doc.split("### Lint rules")[1].split("\n## ")[0]
     rows = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"^\| `([a-z0-9-]+)` \| (\w+) \| (.*) \|$", table, re.M)}
     assert list(rows) == list(findings_mod.RULES)
@@ -390,7 +390,7 @@ def test_rule_explanations_are_the_documented_table():
 
 
 def test_rules_and_finding_keys_are_documented():
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "doctor-json.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "doctor-json.md").read_text()
     for rule in findings_mod.RULES:
         assert f"| `{rule}` |" in doc, rule
     for key in ("rule", "severity", "message", "fix", "ref", "file", "key", "explain"):

@@ -27,7 +27,7 @@ from ftshims.doctor import cli, probes
 from ftshims.doctor import report as report_mod
 from ftshims.probing import in_affected_range
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 FAKE = '''
 import os, sys, time, signal

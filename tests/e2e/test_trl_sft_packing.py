@@ -25,7 +25,7 @@ def _needs_isolating_packer():
 
     if "packing_strategy" not in {f.name for f in dataclasses.fields(SFTConfig)}:
         pytest.skip(f"TRL {TRL} packs with ConstantLengthDataset/pack_examples only (contaminating by design; "
-                    "see test_shim_packing_contamination_warning)")
+                    "see tests/shims/test_packing_contamination_warning.py)")
 
 
 @pytest.mark.slow

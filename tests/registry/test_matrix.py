@@ -9,7 +9,7 @@ import pytest
 
 from ftshims import matrix, registry, verdicts
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compat_matrix_is_current():

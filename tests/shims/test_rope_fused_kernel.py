@@ -121,7 +121,7 @@ def test_applied_before_transformers_is_imported(compiled):
         "m = tiny.tiny_llama(); m(**tiny.batch());"
         "print('FUSED', shim.STATS['fused'])"
     )
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=600,
                          env=dict(os.environ, PYTHONPATH=repo))
     assert out.returncode == 0, out.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 from ftshims import matrix, registry
 from ftshims.spec import SPEED
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IDS = registry.ids()
 
 
@@ -26,7 +26,7 @@ def test_checklist(shim_id):
     assert module_file.is_file(), f"one shim per file: {module_file}"
     assert (shim.module.__doc__ or "").strip(), f"{shim_id}: the module docstring says why, when, how it falls back"
     assert list(inspect.signature(shim.module.install).parameters) == ["patcher", "options"]
-    assert (ROOT / "tests" / f"test_shim_{shim_id}.py").is_file(), f"{shim_id}: tests/test_shim_{shim_id}.py"
+    assert (ROOT / "tests" / "shims" / f"test_{shim_id}.py").is_file(), f"{shim_id}: tests/shims/test_{shim_id}.py"
     assert shim_id in matrix.load_verified()["shims"], f"{shim_id}: no evidence in verified.json (record a matrix run)"
     assert f"`{shim_id}`" in (ROOT / "COMPAT_MATRIX.md").read_text(), f"{shim_id}: regenerate COMPAT_MATRIX.md"
     if shim.spec.kind != SPEED:

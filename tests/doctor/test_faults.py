@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = ("transformers", "peft", "trl", "accelerate", "datasets", "flash_attn", "deepspeed", "bitsandbytes",
             "triton", "liger_kernel")
 

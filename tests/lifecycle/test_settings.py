@@ -23,7 +23,7 @@ import ftshims
 from ftshims import _manager, hook, registry, settings
 from ftshims.doctor.report import Options, collect
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUARD = "max_positions_guard"
 LORA = "lora_reentrant_checkpointing"
 POLICY_ENV = "FTSHIMS_MAX_POSITIONS_POLICY"
