@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable, Optional
 
@@ -29,6 +30,24 @@ def module_globals():
             continue
         for name, value in list(namespace.items()):
             yield module, name, value
+
+
+@contextlib.contextmanager
+def attributes_set(owner, values: dict):
+    """Set ``owner``'s attributes from ``values`` for the duration, then put back exactly what was
+    there (deleting the ones that were absent): the CPU stand-ins swap kernel names this way."""
+    absent = object()
+    saved = {name: vars(owner).get(name, absent) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is absent:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 def compiling() -> bool:

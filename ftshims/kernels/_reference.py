@@ -48,23 +48,9 @@ def positions_of(batch: int, seq: int, device, positions=None, seqlen_offsets=No
     return pos + offset
 
 
-def angles(
-    batch: int,
-    seq: int,
-    device,
-    rotary_dim: int,
-    interleaved: bool,
-    compute_dtype,
-    cos=None,
-    sin=None,
-    inv_freq=None,
-    positions=None,
-    seqlen_offsets=None,
-    cu_seqlens=None,
-    offset: int = 0,
-    conjugate: bool = False,
-    scaling: float = 1.0,
-):
+def angles(batch: int, seq: int, device, rotary_dim: int, interleaved: bool, compute_dtype, *, cos=None, sin=None,
+           inv_freq=None, positions=None, seqlen_offsets=None, cu_seqlens=None, offset: int = 0,
+           conjugate: bool = False, scaling: float = 1.0):
     """``(c0, s0, c1, s1)``, each ``[batch or 1, seq, 1, rotary_dim/2]`` in ``compute_dtype``."""
     import torch
 
@@ -130,36 +116,22 @@ def rotate(x, c0, s0, c1, s1, rotary_dim: int, interleaved: bool, compute_dtype,
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
-def rotary(
-    q,
-    k=None,
-    cos=None,
-    sin=None,
-    inv_freq=None,
-    positions=None,
-    seqlen_offsets=None,
-    cu_seqlens=None,
-    offset: int = 0,
-    rotary_dim: Optional[int] = None,
-    interleaved: bool = False,
-    conjugate: bool = False,
-    scaling: float = 1.0,
-    inplace: bool = False,
-    compute_dtype=None,
-) -> Tuple:
-    """Rotate q (and k); returns ``(q_out, k_out or None)``. Value checks raise ValueError."""
+def rotary(q, k=None, *, rotary_dim: Optional[int] = None, interleaved: bool = False, inplace: bool = False,
+           compute_dtype=None, **table) -> Tuple:
+    """Rotate q (and k); returns ``(q_out, k_out or None)``. Value checks raise ValueError.
+
+    ``table``: where the angles come from and how they are read, :func:`angles`' keywords (``cos``/``sin``
+    or ``inv_freq``, ``positions``, ``seqlen_offsets``, ``cu_seqlens``, ``offset``, ``conjugate``, ``scaling``).
+    """
     import torch
 
     batch, seq, _, head_dim = q.shape
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, seq)
-    c0, s0, c1, s1 = angles(
-        batch, seq, q.device, rotary_dim, interleaved, compute_dtype, cos, sin, inv_freq,
-        positions, seqlen_offsets, cu_seqlens, offset, conjugate, scaling,
-    )
+    if table.get("cu_seqlens") is not None:
+        check_cu_seqlens(table["cu_seqlens"], seq)
+    c0, s0, c1, s1 = angles(batch, seq, q.device, rotary_dim, interleaved, compute_dtype, **table)
     q_out = rotate(q, c0, s0, c1, s1, rotary_dim, interleaved, compute_dtype, inplace)
     k_out = None if k is None else rotate(k, c0, s0, c1, s1, rotary_dim, interleaved, compute_dtype, inplace)
     return q_out, k_out

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .._util import acted, compiling, method_binder
+from .._util import acted, attributes_set, compiling, method_binder
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 _BREAK_4_42_TO_4_47 = ",!=4.42.*,!=4.43.*,!=4.44.*,!=4.45.*,!=4.46.*,!=4.47.*"
@@ -319,21 +319,11 @@ def stand_in(model):
             "_flash_supports_window_size": False,
             "_flash_attention_forward": getattr(utils, "_flash_attention_forward", None),
         }
-        absent = object()
-        saved = {}
-        for name in _KERNEL_NAMES:
-            if values[name] is not None and re.search(rf"\b{name}\b", source):
-                saved[name] = vars(modeling).get(name, absent)
-                setattr(modeling, name, values[name])
-        try:
-            with reference.reference_flash() if utils is not None else contextlib.nullcontext():
-                yield
-        finally:
-            for name, value in saved.items():
-                if value is absent:
-                    delattr(modeling, name)
-                else:
-                    setattr(modeling, name, value)
+        used = {name: values[name] for name in _KERNEL_NAMES
+                if values[name] is not None and re.search(rf"\b{name}\b", source)}
+        with attributes_set(modeling, used), (
+                reference.reference_flash() if utils is not None else contextlib.nullcontext()):
+            yield
 
     return scope()
 

@@ -43,7 +43,7 @@ unless the model's attention implementation is a flash one.
 
 from __future__ import annotations
 
-from .._util import acted, compiling
+from .._util import acted, attributes_set, compiling
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from . import _packing
 
@@ -288,12 +288,8 @@ def reference_flash():
         import transformers.modeling_flash_attention_utils  # noqa: F401  (a probe may import)
 
         fa = sys.modules["transformers.modeling_flash_attention_utils"]
-        absent = object()
-        saved = {}
-
-        def put(name, value):
-            saved.setdefault(name, vars(fa).get(name, absent))
-            setattr(fa, name, value)
+        values = {}
+        put = values.__setitem__
 
         if hasattr(fa, "lazy_import_flash_attention"):  # 4.56+
             process = fa._lazy_define_process_function(reference_flash_attn_varlen_func)
@@ -315,14 +311,8 @@ def reference_flash():
             put("index_first_axis", lambda tensor, indices: tensor[indices])
             put("flash_241", False)
             put("_flash_supports_window_size", False)
-        try:
+        with attributes_set(fa, values):
             yield
-        finally:
-            for name, value in saved.items():
-                if value is absent:
-                    delattr(fa, name)
-                else:
-                    setattr(fa, name, value)
 
     return scope()
 
