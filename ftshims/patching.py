@@ -418,6 +418,17 @@ class Patcher:
         method = isinstance(owner, type)
         return self._push(owner, name, False, lambda layer: _wrapper_builder(layer, wrapper, method))
 
+    def wrap_method(self, module: str, qualname: str, wrapper: Callable) -> Any:
+        """Wrap ``Class.method`` of the imported ``module`` like :meth:`wrap`.
+
+        Raises :class:`TargetMissing` when the class, or a callable ``method`` on it, is not there.
+        """
+        class_name, _, attr = qualname.partition(".")
+        owner = getattr(sys.modules.get(module), class_name, None)
+        if not isinstance(owner, type) or not callable(getattr(owner, attr, None)):
+            raise TargetMissing(f"{module}.{qualname} is missing")
+        return self.wrap(owner, attr, wrapper)
+
     def replace(self, owner: Any, name: str, new: Any) -> Any:
         """Replace ``owner.name`` with ``new`` outright (a class, a constant, a bound hook)."""
         return self._push(owner, name, False, lambda layer: lambda inner: new, composes=False)

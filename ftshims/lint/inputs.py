@@ -34,6 +34,16 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
 
 
+
+def _mapping(value) -> Optional[Dict[str, Any]]:
+    """A dict-valued training argument, given as a dict or as JSON text (the CLI form); None otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
 class Loader:
     """Reads files, collecting ``file-unreadable`` / ``config-invalid`` / ``yaml-unsupported`` findings."""
 
@@ -235,13 +245,7 @@ class TrainView:
         return self.kind == LLAMAFACTORY
 
     def model_init_kwargs(self) -> Dict[str, Any]:
-        kwargs = self.data.get("model_init_kwargs")
-        if isinstance(kwargs, str):
-            try:
-                kwargs = json.loads(kwargs)
-            except ValueError:
-                kwargs = None
-        return kwargs if isinstance(kwargs, dict) else {}
+        return _mapping(self.data.get("model_init_kwargs")) or {}
 
     # what the rules ask -------------------------------------------------------------------
     def seq_len(self) -> Tuple[Optional[int], Optional[str], bool]:
@@ -299,13 +303,8 @@ class TrainView:
             reentrant = self.data.get("use_reentrant_gc", lf.DEFAULTS["use_reentrant_gc"])
             return enabled, as_bool(reentrant)
         enabled = bool(as_bool(self.data.get("gradient_checkpointing")))
-        kwargs = self.data.get("gradient_checkpointing_kwargs")
-        if isinstance(kwargs, str):
-            try:
-                kwargs = json.loads(kwargs)
-            except ValueError:
-                kwargs = None
-        reentrant = as_bool(kwargs.get("use_reentrant")) if isinstance(kwargs, dict) and "use_reentrant" in kwargs else None
+        kwargs = _mapping(self.data.get("gradient_checkpointing_kwargs"))
+        reentrant = as_bool(kwargs.get("use_reentrant")) if kwargs and "use_reentrant" in kwargs else None
         return enabled, reentrant
 
     def uses_peft(self) -> bool:

@@ -499,12 +499,10 @@ def check_gc_peft(ctx) -> None:
     if train is None:
         return
     enabled, reentrant = train.gradient_checkpointing()
-    if not enabled or reentrant is False:
+    peft = train.uses_peft() or ctx.adapter is not None
+    # LLaMA-Factory's own checkpointing function marks the block inputs as requiring grad
+    if not enabled or reentrant is False or not peft or train.is_lf:
         return
-    if not (train.uses_peft() or ctx.adapter is not None):
-        return
-    if train.is_lf:
-        return  # LLaMA-Factory's own checkpointing function marks the block inputs as requiring grad
     state = ctx.shim_state("lora_reentrant_checkpointing")
     if not state["registered"] or not state["affected"]:
         return

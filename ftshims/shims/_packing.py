@@ -36,20 +36,15 @@ log = logging.getLogger("ftshims")
 # base model builds one causal mask for every layer. Families with per-layer masks
 # (gemma2/3, cohere2, ...) or softcapping are deliberately absent: one 4D mask
 # cannot describe them.
+_BASE_MODELS = (
+    ("llama", "LlamaModel"), ("mistral", "MistralModel"), ("mixtral", "MixtralModel"), ("qwen2", "Qwen2Model"),
+    ("qwen2_moe", "Qwen2MoeModel"), ("qwen3", "Qwen3Model"), ("qwen3_moe", "Qwen3MoeModel"), ("phi3", "Phi3Model"),
+    ("gemma", "GemmaModel"), ("granite", "GraniteModel"), ("olmo", "OlmoModel"), ("olmo2", "Olmo2Model"),
+    ("starcoder2", "Starcoder2Model"),
+)
+# family -> (modeling module, base model class)
 FAMILIES: Dict[str, Tuple[str, str]] = {
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaModel"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralModel"),
-    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "MixtralModel"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Model"),
-    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeModel"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Model"),
-    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeModel"),
-    "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3Model"),
-    "gemma": ("transformers.models.gemma.modeling_gemma", "GemmaModel"),
-    "granite": ("transformers.models.granite.modeling_granite", "GraniteModel"),
-    "olmo": ("transformers.models.olmo.modeling_olmo", "OlmoModel"),
-    "olmo2": ("transformers.models.olmo2.modeling_olmo2", "Olmo2Model"),
-    "starcoder2": ("transformers.models.starcoder2.modeling_starcoder2", "Starcoder2Model"),
+    family: (f"transformers.models.{family}.modeling_{family}", cls) for family, cls in _BASE_MODELS
 }
 
 EAGER_LIKE = ("eager", "sdpa")

@@ -28,7 +28,6 @@ is skipped.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 
 from .._util import acted
@@ -104,13 +103,7 @@ def _torch_call(wrapped, instance, args, kwargs):
 
 
 def install(patcher, options) -> None:
-    from ..spec import TargetMissing
-
-    module = sys.modules["transformers.data.data_collator"]
-    cls = getattr(module, "DataCollatorForLanguageModeling", None)
-    if cls is None or not callable(getattr(cls, "torch_call", None)):
-        raise TargetMissing("transformers DataCollatorForLanguageModeling.torch_call is missing")
-    patcher.wrap(cls, "torch_call", _torch_call)
+    patcher.wrap_method("transformers.data.data_collator", "DataCollatorForLanguageModeling.torch_call", _torch_call)
 
 
 # ---------------------------------------------------------------------------

@@ -27,7 +27,6 @@ Applies to peft <0.19.0 (every release before the fix; LoRA adapters). Fallback:
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 from .._util import acted, user_stacklevel
@@ -105,13 +104,7 @@ def _merge_and_unload(wrapped, instance, args, kwargs):
 
 
 def install(patcher, options) -> None:
-    from ..spec import TargetMissing
-
-    lora = sys.modules["peft.tuners.lora"]
-    cls = getattr(lora, "LoraModel", None)
-    if cls is None or not callable(getattr(cls, "merge_and_unload", None)):
-        raise TargetMissing("peft.tuners.lora.LoraModel.merge_and_unload is missing")
-    patcher.wrap(cls, "merge_and_unload", _merge_and_unload)
+    patcher.wrap_method("peft.tuners.lora", "LoraModel.merge_and_unload", _merge_and_unload)
 
 
 # ---------------------------------------------------------------------------
