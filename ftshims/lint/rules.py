@@ -12,12 +12,24 @@ facts in :mod:`.model`, the DeepSpeed rules in :mod:`.deepspeed`.
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Any, Dict, List, Optional
 
 from . import llamafactory as lf
 from .findings import ERROR, INFO, WARNING, finding
 from .inputs import as_bool
 from .model import match_targets, max_positions
+
+def _with_training_config(rule):
+    """A rule about the training config: called as ``rule(ctx, train)``, and only when one was given."""
+
+    @functools.wraps(rule)
+    def check(ctx) -> None:
+        if ctx.train is not None:
+            rule(ctx, ctx.train)
+
+    return check
+
 
 # -- adapter / PEFT -------------------------------------------------------------------------------
 
@@ -268,10 +280,8 @@ def check_tokenizer_pad(ctx) -> None:
     )
 
 
-def check_chat_template(ctx) -> None:
-    train = ctx.train
-    if train is None:
-        return
+@_with_training_config
+def check_chat_template(ctx, train) -> None:
     tok = ctx.tokenizer_info()
     if train.is_lf:
         template = train.get("template")
@@ -403,10 +413,8 @@ def _shim_sentence(state: Dict[str, Any]) -> str:
     return f"ftshims' `{state['id']}` shim would fix it but is not applied here: {state['why']}"
 
 
-def check_packing(ctx) -> None:
-    train = ctx.train
-    if train is None:
-        return
+@_with_training_config
+def check_packing(ctx, train) -> None:
     pack = train.packing()
     if not pack["enabled"] and not pack["padding_free"]:
         return
@@ -494,10 +502,8 @@ def check_packing(ctx) -> None:
     )
 
 
-def check_gc_peft(ctx) -> None:
-    train = ctx.train
-    if train is None:
-        return
+@_with_training_config
+def check_gc_peft(ctx, train) -> None:
     enabled, reentrant = train.gradient_checkpointing()
     peft = train.uses_peft() or ctx.adapter is not None
     # LLaMA-Factory's own checkpointing function marks the block inputs as requiring grad
@@ -530,10 +536,8 @@ def check_gc_peft(ctx) -> None:
     )
 
 
-def check_train_keys(ctx) -> None:
-    train = ctx.train
-    if train is None:
-        return
+@_with_training_config
+def check_train_keys(ctx, train) -> None:
     known, what = ctx.train_known_keys()
     if not known:
         return

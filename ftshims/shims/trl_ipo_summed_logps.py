@@ -43,8 +43,6 @@ import typing
 from .._util import acted, warn_once
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
-log = logging.getLogger("ftshims")
-
 SPEC = ShimSpec(
     id="trl_ipo_summed_logps",
     title="DPOTrainer's IPO loss uses summed instead of length-averaged log-probs",
@@ -67,6 +65,8 @@ SPEC = ShimSpec(
     ),
     modules=("trl.trainer.dpo_trainer",),
 )
+
+log = logging.getLogger("ftshims")
 
 # True while DPOTrainer.concatenated_forward runs for an IPO trainer whose get_batch_logps is DPOTrainer's.
 # A ContextVar, not a flag on the trainer: per thread (and per asyncio task), nothing written on the user's object.
