@@ -42,7 +42,7 @@ _RULES = (
     # tokenizer
     Rule("tokenizer-load-failed", ERROR, "the tokenizer directory does not load with the installed transformers", "https://huggingface.co/docs/transformers/main_classes/tokenizer"),
     Rule("tokenizer-no-pad", WARNING, "the tokenizer has no pad token", "https://huggingface.co/docs/transformers/pad_truncation"),
-    Rule("label-smoothing-unshifted", WARNING, "label smoothing on a causal LM the Trainer does not recognise: the labels are not shifted and the model learns to predict the current token", "https://github.com/huggingface/transformers/issues/27161"),
+    Rule("label-smoothing-unshifted", WARNING, "label smoothing on a causal LM the Trainer does not recognise (custom code, or a PEFT model whose name it misreads): the labels are not shifted and the model learns to predict the current token", "https://github.com/huggingface/transformers/issues/27161"),
     Rule("pad-is-eos", WARNING, "pad token == eos token while the collator masks pad labels: every EOS label becomes -100 and the model never learns to stop", "https://github.com/huggingface/transformers/issues/23530"),
     Rule("chat-template-missing", WARNING, "a chat format is configured but the tokenizer has no chat template (or LLaMA-Factory's template is unknown)", "https://huggingface.co/docs/transformers/chat_templating"),
     # sequence length
@@ -57,6 +57,7 @@ _RULES = (
     # training recipe x installed stack
     Rule("packing-contamination", WARNING, "packing whose attention implementation / versions let packed examples attend to each other", "https://github.com/huggingface/transformers/pull/39194"),
     Rule("gc-peft-reentrant", ERROR, "gradient checkpointing + PEFT on a stack where reentrant checkpointing leaves LoRA without gradients and the shim is not applied", "https://github.com/huggingface/peft/issues/742"),
+    Rule("seqcls-pad-in-text", WARNING, "a decoder sequence-classification / reward model whose pad token is its eos token on transformers < 4.49: the head scores the token before the first pad inside the text, not the last token", "https://github.com/huggingface/transformers/issues/35352"),
     # the lint itself
     Rule("lint-rule-failed", WARNING, "a lint rule raised (a doctor bug or an input nobody foresaw); the other rules still ran", None),
 )
@@ -77,7 +78,7 @@ FIRES_WHEN: Dict[str, str] = {
     "modules-to-save-tied": "`modules_to_save` (or `target_modules`, LLaMA-Factory `additional_target`) names a tied input embedding / `lm_head` without `ensure_weight_tying`",
     "tokenizer-load-failed": "the tokenizer directory does not load with the installed transformers",
     "tokenizer-no-pad": "no pad token (info for LLaMA-Factory, which sets pad = eos and labels by position)",
-    "label-smoothing-unshifted": "`label_smoothing_factor` > 0 with a causal LM whose class is not in transformers' causal-LM mapping (custom code), or a PEFT model on transformers < 4.36",
+    "label-smoothing-unshifted": "`label_smoothing_factor` > 0 with a causal LM whose class is not in transformers' causal-LM mapping (custom code), a LoRA-style PEFT model on transformers < 4.36, or a prefix-tuning adapter on transformers < 4.32 or >= 4.36: the labels are not shifted (info when `ftshims.apply()` would install `label_smoothing_peft_unshifted`, which fixes the PEFT cases from 4.21); a prompt-tuning / p-tuning adapter on any version: the smoother fails with a shape error (the logits include the virtual tokens; no shim)",
     "pad-is-eos": "pad == eos and the collator masks pad labels (transformers' `DataCollatorForLanguageModeling`, TRL < 0.16.1 `SFTTrainer`): every EOS label becomes -100; info for a TRL >= 0.16.1 SFT config",
     "chat-template-missing": "a chat format is configured (`assistant_only_loss`, `dataset_text_field: messages`; LLaMA-Factory SFT without `template`) but the tokenizer has no chat template (error with `assistant_only_loss`; also when its template lacks `{% generation %}`), or a LLaMA-Factory `template` that 0.9.5 does not know",
     "seq-len-exceeds-positions": "`cutoff_len` (LLaMA-Factory; its default 2048 counts) / `max_length` / `max_seq_length` exceeds `max_position_embeddings`: error for learned positions, warning for RoPE (info with LLaMA-Factory `rope_scaling`)",
@@ -89,6 +90,7 @@ FIRES_WHEN: Dict[str, str] = {
     "ds-train-mismatch": "a non-`\"auto\"` DeepSpeed value differs from the TrainingArguments value (or its default): micro batch size, gradient accumulation, clipping, lr, betas, eps, weight decay, warmup_max_lr, fp16/bf16; or `train_batch_size` is not a multiple of micro batch × accumulation",
     "packing-contamination": "packing whose packer / attention implementation / versions let packed examples attend to each other: by design (TRL ConstantLengthDataset, `pack_examples`, `\"wrapped\"`; LLaMA-Factory `packing` without `neat_packing` under flash attention): warning; fixable by a registered shim in range (`packing_block_mask`, `trl_padding_free_position_ids`): info when `ftshims.apply()` would install it, error when it would not (disabled, target missing)",
     "gc-peft-reentrant": "gradient checkpointing + PEFT with reentrant checkpointing on a stack inside `lora_reentrant_checkpointing`'s range and the shim not applied (info when `ftshims.apply()` would install it); not for LLaMA-Factory, whose checkpointing function marks the inputs itself",
+    "seqcls-pad-in-text": "a decoder `*ForSequenceClassification` model (config.json `architectures`, an adapter with `task_type: SEQ_CLS`, or a TRL reward config: `center_rewards_coefficient`, `lora_task_type: SEQ_CLS`) whose tokenizer's pad token is its eos token, on transformers < 4.49: the reward is read at the first EOS inside the text; info when `ftshims.apply()` would install `seqcls_pools_before_first_pad`; not for LLaMA-Factory `stage: rm` (its value head reads the last token by the attention mask)",
     "lint-rule-failed": "a rule raised (a doctor bug or an unforeseen input); the other rules still ran",
 }
 

@@ -312,6 +312,34 @@ class TrainView:
             return str(self.data.get("finetuning_type", lf.DEFAULTS["finetuning_type"])) in ("lora", "oft")
         return bool(as_bool(self.data.get("use_peft"))) or "peft_config" in self.data or "lora_target_modules" in self.data
 
+    def peft_type(self) -> Optional[str]:
+        """The PEFT method the config trains with (``"LORA"``, ``"PREFIX_TUNING"``, ...), None without PEFT.
+        LLaMA-Factory: its ``finetuning_type`` (lora/oft); transformers/TRL: ``peft_config.peft_type`` when the
+        config carries a PEFT config, else LoRA for TRL's ``use_peft`` / ``lora_target_modules``."""
+        if self.is_lf:
+            kind = str(self.data.get("finetuning_type", lf.DEFAULTS["finetuning_type"]))
+            return kind.upper() if kind in ("lora", "oft") else None
+        peft_config = _mapping(self.data.get("peft_config"))
+        if peft_config and peft_config.get("peft_type"):
+            return str(peft_config["peft_type"]).upper()
+        return "LORA" if self.uses_peft() else None
+
+    def reward_hint(self) -> Optional[str]:
+        """The setting that marks a transformers/TRL config as training a sequence-classification (reward) model:
+        TRL ``RewardConfig``'s own ``center_rewards_coefficient``, TRL ``ModelConfig``'s ``lora_task_type: SEQ_CLS``
+        (the reward script's LoRA setting), or a ``peft_config`` with ``task_type: SEQ_CLS``. None otherwise,
+        and always for LLaMA-Factory (its ``stage: rm`` trains a value head, not a classification head)."""
+        if self.is_lf:
+            return None
+        if "center_rewards_coefficient" in self.data:
+            return "center_rewards_coefficient"
+        if str(self.data.get("lora_task_type", "")).upper() == "SEQ_CLS":
+            return "lora_task_type"
+        peft_config = _mapping(self.data.get("peft_config"))
+        if peft_config and str(peft_config.get("task_type", "")).upper() == "SEQ_CLS":
+            return "peft_config.task_type"
+        return None
+
     def lora_targets(self) -> Tuple[Any, Optional[str]]:
         if self.is_lf:
             if str(self.data.get("finetuning_type", lf.DEFAULTS["finetuning_type"])) != "lora":

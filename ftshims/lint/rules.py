@@ -4,7 +4,7 @@ Each ``check_*`` function reads the :class:`~ftshims.lint.Context` and
 adds findings; :func:`ftshims.lint.run` calls each one in a guard, so a
 rule that raises costs its own findings only (reported as ``lint-rule-failed``).
 
-Size: ten ``check_*`` functions (one per input or concern, together most of the 25 rules of
+Size: eleven ``check_*`` functions (one per input or concern, together most of the 26 rules of
 :mod:`.findings`), each independent of the others; the inputs they read live in :mod:`.inputs`, model
 facts in :mod:`.model`, the DeepSpeed rules in :mod:`.deepspeed`.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import llamafactory as lf
 from .findings import ERROR, INFO, WARNING, finding
@@ -566,18 +566,38 @@ def check_train_keys(ctx, train) -> None:
     )
 
 
+# prompt-learning PEFT methods that prepend virtual tokens to the sequence (so the logits outgrow the labels);
+# prefix tuning, the other prompt-learning method, puts them in the attention cache instead
+VIRTUAL_TOKENS = ("PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING")
+# adapter task types whose model is not a causal LM (label shifting does not apply)
+NOT_CAUSAL_TASKS = ("SEQ_CLS", "TOKEN_CLS", "SEQ_2_SEQ_LM", "QUESTION_ANS", "FEATURE_EXTRACTION")
+LABEL_SMOOTHING_SHIM = "label_smoothing_peft_unshifted"
+
+
+def _peft_method(ctx, train) -> Tuple[Optional[str], Optional[str]]:
+    """``(peft_type, where)`` of the run: the adapter's, else the training config's; (None, None) without PEFT."""
+    if ctx.adapter is not None:
+        return str(ctx.adapter.get("peft_type") or "LORA").upper(), "the adapter config"
+    kind = train.peft_type()
+    return (kind, "the training config") if kind else (None, None)
+
+
 def check_label_smoothing(ctx) -> None:
-    """label_smoothing_factor > 0: Trainer.compute_loss shifts the labels for its LabelSmoother only when
-    ``model._get_name()`` is in the causal-LM mapping. A causal LM it does not know (remote code such as
-    Qwen-1's QWenLMHeadModel, still in 5.24) or, before 4.36, any PEFT model (its name is "LoraModel")
-    is trained to predict the *current* token (transformers#27161, QwenLM/Qwen#834)."""
+    """label_smoothing_factor > 0: Trainer.compute_loss shifts the labels for its LabelSmoother only when a class
+    name it reads is in the causal-LM mapping. A causal LM it does not know (remote code such as Qwen-1's
+    QWenLMHeadModel, still in 5.24) is trained to predict the *current* token (QwenLM/Qwen#834), and so is a PEFT
+    model whose name it misreads (transformers#27161): LoRA-style adapters before 4.36 ("PeftModelForCausalLM",
+    then the tuner "LoraModel"), prefix tuning before 4.32 and again from 4.36 (the headless backbone). ftshims'
+    ``label_smoothing_peft_unshifted`` fixes the PEFT cases from 4.21; prompt tuning / p-tuning fail with a shape
+    error on every version (their logits include the virtual tokens)."""
     train = ctx.train
     if train is None or train.is_lf:
         return
     factor = train.hf_value("label_smoothing_factor")
     if not isinstance(factor, (int, float)) or factor <= 0:
         return
-    reasons = []
+    tv = ctx.versions.get("transformers")
+    custom = None
     arch = ((ctx.model_config or {}).get("architectures") or [None])[0]
     if isinstance(arch, str) and (arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel")):
         try:
@@ -589,22 +609,165 @@ def check_label_smoothing(ctx) -> None:
             for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
                 known.update(value if isinstance(value, (list, tuple)) else [value])
             if arch not in known:
-                reasons.append(f"the model class {arch} is not in transformers' causal-LM mapping (custom code)")
-    peft_model = ctx.adapter is not None or (train.lora_targets()[0] is not None)
-    if peft_model and ctx.version_lt("transformers", "4.36"):
-        reasons.append(f"transformers {ctx.versions.get('transformers')} names a PEFT model \"LoraModel\" (fixed in 4.36)")
+                custom = f"the model class {arch} is not in transformers' causal-LM mapping (custom code)"
+    peft, where = _peft_method(ctx, train)
+    task = str((ctx.adapter or {}).get("task_type") or "").upper()
+    if task in NOT_CAUSAL_TASKS:
+        peft = None  # not a causal LM: the Trainer never shifts, and should not
+
+    if peft in VIRTUAL_TOKENS:
+        ctx.add(
+            finding(
+                "label-smoothing-unshifted",
+                f"label_smoothing_factor={factor} with a {peft} adapter (from {where}): the PEFT model prepends its virtual "
+                "tokens to the sequence, so the logits are longer than the labels and the Trainer's label smoother "
+                "fails with a shape error at the first step, on every transformers version (no ftshims shim covers "
+                "it: shifting the labels cannot line them up).",
+                "set label_smoothing_factor: 0, or use LoRA or prefix tuning, or compute the smoothed loss yourself "
+                "(a custom compute_loss that drops the virtual-token positions and shifts the labels)",
+                file=train.path,
+                key="label_smoothing_factor",
+            )
+        )
+        peft = None  # the crash is the finding; do not also report the shift
+    peft_reason = None
+    if peft == "PREFIX_TUNING":
+        if ctx.version_lt("transformers", "4.32"):
+            peft_reason = (f"transformers {tv} reads the wrapper's class name \"PeftModelForCausalLM\" for a PEFT "
+                           "model (prefix tuning is shifted only on 4.32-4.35)")
+        elif not ctx.version_lt("transformers", "4.36"):
+            peft_reason = (f"transformers {tv} reads base_model.model for a PEFT model, which for prefix tuning is "
+                           "the headless backbone (e.g. \"LlamaModel\"), not the causal LM (a regression since 4.36, "
+                           "unfixed)")
+    elif peft is not None and ctx.version_lt("transformers", "4.36"):
+        peft_reason = (f"transformers {tv} reads the PEFT wrapper's or tuner's class name for a {peft} model "
+                       "(\"PeftModelForCausalLM\" before 4.32, e.g. \"LoraModel\" on 4.32-4.35; fixed in 4.36)")
+    reasons = [r for r in (custom, peft_reason) if r]
     if not reasons:
         return
+    severity, shim = WARNING, ""
+    fixes = ["set label_smoothing_factor: 0", "compute the smoothed loss yourself with shifted labels (a custom compute_loss)"]
+    if peft_reason:
+        state = ctx.shim_state(LABEL_SMOOTHING_SHIM)
+        if state["registered"] and state["affected"]:
+            shim = " " + _shim_sentence(state) + "."
+            if state["applies"] and not custom:
+                severity = INFO
+            fixes.insert(0, f"run ftshims.apply() in the training process ({LABEL_SMOOTHING_SHIM})")
+        elif state["registered"] and not ctx.version_lt("transformers", "4.21"):
+            shim = " " + _shim_sentence(state) + "."
+        if peft != "PREFIX_TUNING":
+            fixes.append("upgrade transformers to >= 4.36")
+    if custom:
+        shim += " No shim covers the custom-code model class."
     ctx.add(
         finding(
             "label-smoothing-unshifted",
             f"label_smoothing_factor={factor}, but the Trainer will not shift the labels for the label smoother: "
-            + "; ".join(reasons) + ". The model is then trained to predict the current token, not the next one.",
-            "set label_smoothing_factor: 0, or compute the smoothed loss yourself with shifted labels "
-            "(a custom compute_loss), or upgrade transformers to >= 4.36 for PEFT models",
-            severity=WARNING,
+            + "; ".join(reasons) + ". The model is then trained to predict the current token, not the next one."
+            + shim,
+            ", or ".join([", ".join(fixes[:-1]), fixes[-1]]) if len(fixes) > 1 else fixes[0],
+            severity=severity,
             file=train.path,
             key="label_smoothing_factor",
+        )
+    )
+
+
+# -- sequence-classification heads ------------------------------------------------------------------
+
+SEQCLS_SHIM = "seqcls_pools_before_first_pad"
+
+
+def _decoder_seqcls_families() -> Tuple[frozenset, frozenset]:
+    """``(model types, class names)`` of the decoder heads that pool before the first pad (< 4.49)."""
+    from ..shims.seqcls_pools_before_first_pad import FAMILIES
+
+    types = {module.split(".", 1)[0] for module in FAMILIES}
+    types.add("openai-gpt")  # module openai, model_type openai-gpt
+    return frozenset(types), frozenset(FAMILIES.values())
+
+
+def _seqcls_source(ctx) -> Optional[str]:
+    """What says the run trains a decoder sequence-classification (reward) model; None when nothing does."""
+    if ctx.train is not None and ctx.train.is_lf:
+        return None  # LLaMA-Factory's stage rm: a value head on AutoModelForCausalLM, read at mask.sum() - 1
+    types, classes = _decoder_seqcls_families()
+    config = ctx.model_config or {}
+    arch = (config.get("architectures") or [None])[0]
+    if ctx.model_config is not None and not ((isinstance(arch, str) and arch in classes) or str(config.get("model_type")) in types):
+        return None  # an encoder (CLS pooling) or a family without the first-pad formula
+    if isinstance(arch, str) and arch.endswith("ForSequenceClassification"):
+        return f"config.json architectures: {arch}"
+    if ctx.adapter is not None and str(ctx.adapter.get("task_type") or "").upper() == "SEQ_CLS":
+        return "the adapter (task_type: SEQ_CLS)"
+    hint = ctx.train.reward_hint() if ctx.train is not None else None
+    if hint:
+        return f"the training config (`{hint}`: " + ("a TRL RewardConfig)" if hint == "center_rewards_coefficient" else "SEQ_CLS)")
+    return None
+
+
+def _pad_is_eos(ctx) -> Optional[Tuple[str, Optional[str], str]]:
+    """``(description, file, key)`` when the pad token the head will use is an eos token, else None."""
+    tok = ctx.tokenizer_info()
+    override = ctx.train.get("pad_token") if ctx.train is not None else None
+    if tok is not None:
+        if tok["eos_token"] is None:
+            return None
+        if isinstance(override, str) and override:  # TRL RewardConfig.pad_token replaces the tokenizer's
+            if override != tok["eos_token"]:
+                return None
+            return f"the training config's pad_token {override!r} is the eos token", ctx.train.path, "pad_token"
+        if tok["pad_token"] is None:
+            return None  # tokenizer-no-pad reports it
+        same = tok["pad_token"] == tok["eos_token"] or (
+            tok["pad_token_id"] is not None and tok["pad_token_id"] == tok["eos_token_id"]
+        )
+        if not same:
+            return None
+        return f"the tokenizer's pad token is its eos token ({tok['pad_token']!r})", ctx.inputs.tokenizer, "pad_token"
+    if ctx.model_config is None or ctx.inputs.tokenizer:
+        return None  # no tokenizer to read, or one that failed to load (tokenizer-load-failed)
+    pad_id, eos = ctx.model_config.get("pad_token_id"), ctx.model_config.get("eos_token_id")
+    if pad_id is None or pad_id not in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        return None
+    return f"config.json pad_token_id {pad_id} is an eos id", ctx.model_config_path, "pad_token_id"
+
+
+def check_seqcls_pad(ctx) -> None:
+    """transformers < 4.49 decoder ``*ForSequenceClassification`` heads pool the token before the first pad id;
+    with pad == eos that is the first EOS inside the text (transformers#35352, fixed in 4.49 by PR #35911)."""
+    if not ctx.version_lt("transformers", "4.49"):
+        return
+    what = _seqcls_source(ctx)
+    pad = _pad_is_eos(ctx) if what else None
+    if pad is None:
+        return
+    pad_desc, file, key = pad
+    state = ctx.shim_state(SEQCLS_SHIM)
+    severity, shim = WARNING, ""
+    if state["registered"]:
+        if state["affected"]:
+            shim = " " + _shim_sentence(state) + "."
+            severity = INFO if state["applies"] else WARNING
+        elif ctx.version_lt("transformers", "4.30"):
+            shim = f" ftshims' `{SEQCLS_SHIM}` shim covers transformers >= 4.30 only."
+        else:
+            shim = " " + _shim_sentence(state) + "."
+    ctx.add(
+        finding(
+            "seqcls-pad-in-text",
+            f"this is a decoder sequence-classification (reward) model ({what}) and {pad_desc}: "
+            f"transformers {ctx.versions.get('transformers')} (< 4.49) pools the hidden state of the token before the "
+            "FIRST pad id in each row, so the score is read at the first EOS inside the text (often the end of the "
+            "system prompt or the first turn), not at the last token. Chosen and rejected responses then score alike "
+            "and a reward model's loss sticks at 0.693 (log 2), silently." + shim,
+            f"run ftshims.apply() in the training process ({SEQCLS_SHIM}), or use a distinct pad token (an unused "
+            "reserved token, or add '<pad>' and resize the embeddings; set model.config.pad_token_id to it), or "
+            "upgrade transformers to >= 4.49",
+            severity=severity,
+            file=file,
+            key=key,
         )
     )
 
@@ -620,4 +783,5 @@ CHECKS = (
     check_packing,
     check_gc_peft,
     check_label_smoothing,
+    check_seqcls_pad,
 )

@@ -21,6 +21,7 @@ from ftshims.lint import rules as rules_mod
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "lint"
 LLAMA = str(FIX / "models" / "llama_tiny")
 GPT2 = str(FIX / "models" / "gpt2_tiny")
+SEQCLS = str(FIX / "models" / "llama_seqcls")
 
 
 def p(*parts: str) -> str:
@@ -90,7 +91,7 @@ def test_rule_triggers_and_stays_silent(rule, trigger, clean, severity):
 
 
 def test_every_rule_has_a_trigger_and_a_clean_case():
-    covered = {case[0] for case in CASES} | {"yaml-unsupported", "gc-peft-reentrant", "lint-rule-failed"}
+    covered = {case[0] for case in CASES} | {"yaml-unsupported", "gc-peft-reentrant", "lint-rule-failed", "seqcls-pad-in-text"}
     assert covered == set(findings_mod.RULES)
 
 
@@ -221,6 +222,150 @@ def test_zero3_low_cpu_mem_usage_depends_on_transformers(monkeypatch):
     with_versions(monkeypatch, transformers="4.57.6")
     hits = rules_of(run(train_config=p("train", "hf_zero3_load.json")), "ds-zero3-device-map")
     assert sorted(h["severity"] for h in hits) == ["error", "info"]
+
+
+def shim_rows_for(shim: str, applies: bool, affected: bool = True):
+    return [{"id": shim, "affected": affected, "verdict": "patched" if applies else ("unpatched" if affected else "not affected"),
+             "status": "applied" if applies else "disabled", "reason": "in range" if applies else "disabled by FTSHIMS_DISABLE"}]
+
+
+# -- sequence-classification heads on transformers < 4.49 (seqcls_pools_before_first_pad) ---------------
+
+SEQCLS_SHIM = "seqcls_pools_before_first_pad"
+
+
+@pytest.mark.parametrize("applies,severity", [(True, "info"), (False, "warning")], ids=["shim-applied", "shim-not-applied"])
+def test_seqcls_pad_in_text_fires_below_4_49(monkeypatch, applies, severity):
+    with_versions(monkeypatch, transformers="4.46.3")
+    rows = shim_rows_for(SEQCLS_SHIM, applies)
+    pad_eos = p("tokenizers", "pad_eos")
+    for trigger, source in (
+        (dict(model=SEQCLS), "LlamaForSequenceClassification"),  # config.json architectures
+        (dict(train_config=p("train", "hf_reward.json")), "center_rewards_coefficient"),  # a TRL RewardConfig, model unknown
+        (dict(model=LLAMA, train_config=p("train", "hf_reward.json")), "center_rewards_coefficient"),  # reward head on a causal LM config
+        (dict(model=LLAMA, adapter=p("adapters", "seq_cls.json")), "task_type: SEQ_CLS"),
+    ):
+        hits = rules_of(run(tokenizer=pad_eos, shim_rows=rows, **trigger), "seqcls-pad-in-text")
+        assert [h["severity"] for h in hits] == [severity], (trigger, hits)
+        (hit,) = hits
+        assert source in hit["message"] and "4.46.3" in hit["message"] and "0.693" in hit["message"]
+        assert SEQCLS_SHIM in hit["message"] and ("not applied here" in hit["message"]) == (not applies)
+        assert "ftshims.apply()" in hit["fix"] and "distinct pad token" in hit["fix"] and ">= 4.49" in hit["fix"]
+        assert hit["file"] == pad_eos and hit["key"] == "pad_token"
+    # clean: a distinct pad token; a causal LM; LLaMA-Factory stage rm (value head, pooled by the attention mask);
+    # an encoder-free unknown model without any reward hint
+    assert not rules_of(run(model=SEQCLS, tokenizer=p("tokenizers", "pad_ok"), shim_rows=rows), "seqcls-pad-in-text")
+    assert not rules_of(run(model=LLAMA, tokenizer=pad_eos, shim_rows=rows), "seqcls-pad-in-text")
+    assert not rules_of(run(model=GPT2, tokenizer=pad_eos, train_config=p("train", "hf_ok.json"), shim_rows=rows), "seqcls-pad-in-text")
+    assert not rules_of(run(tokenizer=pad_eos, train_config=p("train", "lf_rm.yaml"), shim_rows=rows), "seqcls-pad-in-text")
+
+
+def test_seqcls_pad_in_text_follows_trls_pad_token_setting(monkeypatch, tmp_path):
+    with_versions(monkeypatch, transformers="4.46.3")
+    config = tmp_path / "reward.json"
+    rows = shim_rows_for(SEQCLS_SHIM, True)
+    config.write_text(json.dumps({"output_dir": "out", "center_rewards_coefficient": 0.01, "pad_token": "<pad>"}))
+    assert not rules_of(run(model=SEQCLS, tokenizer=p("tokenizers", "pad_eos"), train_config=str(config), shim_rows=rows), "seqcls-pad-in-text")
+    config.write_text(json.dumps({"output_dir": "out", "center_rewards_coefficient": 0.01, "pad_token": "</s>"}))
+    (hit,) = rules_of(run(model=SEQCLS, tokenizer=p("tokenizers", "pad_ok"), train_config=str(config), shim_rows=rows), "seqcls-pad-in-text")
+    assert hit["file"] == str(config) and hit["key"] == "pad_token"
+
+
+def test_seqcls_pad_in_text_is_silent_from_4_49(monkeypatch):
+    for version in ("4.49.0", "4.57.6"):
+        with_versions(monkeypatch, transformers=version)
+        found = run(model=SEQCLS, tokenizer=p("tokenizers", "pad_eos"), shim_rows=shim_rows_for(SEQCLS_SHIM, False, affected=False))
+        assert not rules_of(found, "seqcls-pad-in-text"), version
+
+
+def test_seqcls_pad_in_text_reads_config_pad_without_a_tokenizer(monkeypatch, tmp_path):
+    with_versions(monkeypatch, transformers="4.46.3")
+    data = json.loads((FIX / "models" / "llama_seqcls" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(data, pad_token_id=2, eos_token_id=[2, 5])))
+    (hit,) = rules_of(run(model=str(tmp_path), shim_rows=shim_rows_for(SEQCLS_SHIM, True)), "seqcls-pad-in-text")
+    assert hit["severity"] == "info" and "pad_token_id 2 is an eos id" in hit["message"] and hit["key"] == "pad_token_id"
+    (tmp_path / "config.json").write_text(json.dumps(dict(data, pad_token_id=0, eos_token_id=2)))
+    assert not rules_of(run(model=str(tmp_path), shim_rows=shim_rows_for(SEQCLS_SHIM, True)), "seqcls-pad-in-text")
+
+
+def test_seqcls_pad_in_text_on_this_stack():
+    """Without faked versions or the doctor's rows: fires exactly below 4.49, info where apply() would fix it."""
+    from packaging.version import Version
+
+    from ftshims.versions import installed_version
+
+    hits = rules_of(run(model=SEQCLS, tokenizer=p("tokenizers", "pad_eos")), "seqcls-pad-in-text")
+    assert bool(hits) == (Version(installed_version("transformers")) < Version("4.49"))
+    if hits:
+        state = lint.Context(lint.Inputs()).shim_state(SEQCLS_SHIM)
+        assert [h["severity"] for h in hits] == ["info" if state["applies"] else "warning"]
+
+
+# -- label smoothing x PEFT (label_smoothing_peft_unshifted) -------------------------------------------
+
+LS_SHIM = "label_smoothing_peft_unshifted"
+LS_TRAIN = p("train", "hf_label_smoothing.json")
+
+
+def label_smoothing(adapter, rows, **extra):
+    return rules_of(run(model=LLAMA, adapter=p("adapters", adapter), train_config=LS_TRAIN, shim_rows=rows, **extra),
+                    "label-smoothing-unshifted")
+
+
+@pytest.mark.parametrize("applies,severity", [(True, "info"), (False, "warning")], ids=["shim-applied", "shim-not-applied"])
+def test_label_smoothing_peft_versions(monkeypatch, applies, severity):
+    rows = shim_rows_for(LS_SHIM, applies)
+    # (transformers, adapter) -> fires: LoRA-style unshifted < 4.36; prefix tuning < 4.32 and from 4.36
+    table = [
+        ("4.31.0", "ok.json", True), ("4.35.2", "ok.json", True), ("4.36.2", "ok.json", False), ("4.57.6", "ok.json", False),
+        ("4.31.0", "prefix.json", True), ("4.33.3", "prefix.json", False), ("4.35.2", "prefix.json", False),
+        ("4.36.2", "prefix.json", True), ("4.57.6", "prefix.json", True),
+    ]
+    for version, adapter, fires in table:
+        with_versions(monkeypatch, transformers=version)
+        hits = label_smoothing(adapter, rows)
+        assert bool(hits) == fires, (version, adapter, hits)
+        if hits:
+            (hit,) = hits
+            assert hit["severity"] == severity, (version, adapter)
+            assert LS_SHIM in hit["message"] and LS_SHIM in hit["fix"] and version in hit["message"]
+            assert ("not applied here" in hit["message"]) == (not applies)
+            assert hit["file"] == LS_TRAIN and hit["key"] == "label_smoothing_factor"
+            assert ("headless backbone" in hit["message"]) == (adapter == "prefix.json" and version >= "4.36")
+
+
+def test_label_smoothing_prompt_tuning_is_a_shape_error_on_every_version(monkeypatch):
+    for version in ("4.31.0", "4.35.2", "4.57.6"):
+        with_versions(monkeypatch, transformers=version)
+        (hit,) = label_smoothing("prompt_tuning.json", shim_rows_for(LS_SHIM, True))
+        assert hit["severity"] == "warning" and "shape error" in hit["message"] and "PROMPT_TUNING" in hit["message"]
+
+
+def test_label_smoothing_cases_no_shim_covers(monkeypatch):
+    with_versions(monkeypatch, transformers="4.35.2")
+    rows = shim_rows_for(LS_SHIM, True)
+    # remote-code causal LM + LoRA: the shim needs a registered causal LM inside, so it stays a warning
+    found = run(model=p("models", "qwen1_remote"), adapter=p("adapters", "ok.json"), train_config=LS_TRAIN, shim_rows=rows)
+    (hit,) = rules_of(found, "label-smoothing-unshifted")
+    assert hit["severity"] == "warning" and "QWenLMHeadModel" in hit["message"] and "No shim covers" in hit["message"]
+    # a sequence-classification adapter is not a causal LM: nothing to shift
+    assert not label_smoothing("seq_cls.json", rows)
+    # no PEFT at all
+    assert not rules_of(run(model=LLAMA, train_config=LS_TRAIN, shim_rows=rows), "label-smoothing-unshifted")
+
+
+def test_label_smoothing_reads_the_training_configs_peft(monkeypatch, tmp_path):
+    rows = shim_rows_for(LS_SHIM, True)
+    config = tmp_path / "train.json"
+    with_versions(monkeypatch, transformers="4.57.6")
+    config.write_text(json.dumps({"output_dir": "out", "label_smoothing_factor": 0.1,
+                                  "peft_config": {"peft_type": "PREFIX_TUNING", "task_type": "CAUSAL_LM"}}))
+    (hit,) = rules_of(run(model=LLAMA, train_config=str(config), shim_rows=rows), "label-smoothing-unshifted")
+    assert hit["severity"] == "info" and "headless backbone" in hit["message"]
+    with_versions(monkeypatch, transformers="4.35.2")
+    config.write_text(json.dumps({"output_dir": "out", "label_smoothing_factor": 0.1, "use_peft": True}))
+    (hit,) = rules_of(run(model=LLAMA, train_config=str(config), shim_rows=rows), "label-smoothing-unshifted")
+    assert hit["severity"] == "info" and "LORA" in hit["message"]
 
 
 # -- details --------------------------------------------------------------------------------------
