@@ -602,8 +602,13 @@ def _headline(report: Dict[str, Any], counts: ShimCounts) -> str:
             message += f" Unpatched: {', '.join(s['id'] for s in unpatched)}."
         if counts.patched:
             message += " Call ftshims.apply() (or import ftshims.auto) at the top of your training script; the doctor itself patched nothing."
-    if counts.opt_in:
-        message += f" Opt-in speed shims available: {', '.join(counts.opt_in)} (ftshims.apply(include=[...]))."
+    speed = [s["id"] for s in report["shims"] if s["id"] in counts.opt_in and s["kind"] == "speed"]
+    choices = [i for i in counts.opt_in if i not in speed]
+    if choices:
+        message += (f" Opt-in fixes that change what a run trains (off by default): {', '.join(choices)}"
+                    " (ftshims.apply(include=[...]); see each shim's symptom).")
+    if speed:
+        message += f" Opt-in speed shims available: {', '.join(speed)} (ftshims.apply(include=[...]))."
     probe_rows = report["probes"]["results"]
     if report["probes"]["requested"]:
         ran = [r for r in probe_rows if r.get("bug_without_shim") is not None]
