@@ -542,3 +542,35 @@ def test_concurrent_apply_and_import_stress(tmp_path, monkeypatch, appliers):
         assert _manager._RECORDS["wrap_add"].status == "applied", f"iteration {i}"
         assert world.module().add(1) == 3, f"iteration {i}"
         world.cleanup()
+
+
+def test_wrap_method_finds_the_target_or_raises_target_missing():
+    """Patcher.wrap_method: Class.method of an imported module is wrapped (and restored by undo); a missing module,
+    class or method is TargetMissing, with nothing patched."""
+    import sys
+    import types
+
+    from ftshims.patching import Patcher
+    from ftshims.spec import TargetMissing
+
+    module = types.ModuleType("ftshims_test_wrap_method")
+
+    class Target:
+        def method(self, x):
+            return x + 1
+
+    module.Target = Target
+    sys.modules[module.__name__] = module
+    try:
+        original = Target.method
+        patcher = Patcher("wrap_method_test")
+        patcher.wrap_method(module.__name__, "Target.method", lambda wrapped, instance, args, kwargs: wrapped(*args) * 10)
+        assert Target().method(1) == 20
+        for where, qualname in ((module.__name__, "Target.absent"), (module.__name__, "Absent.method"),
+                                ("ftshims_no_such_module", "Target.method")):
+            with pytest.raises(TargetMissing, match="is missing"):
+                patcher.wrap_method(where, qualname, lambda wrapped, instance, args, kwargs: None)
+        patcher.undo()
+        assert Target.method is original and Target().method(1) == 2
+    finally:
+        del sys.modules[module.__name__]
