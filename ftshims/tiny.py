@@ -88,3 +88,17 @@ def batch(batch_size: int = 2, seq_len: int = 8, vocab_size: int = 128, seed: in
 
 def lora_parameters(model):
     return {name: p for name, p in model.named_parameters() if "lora_" in name}
+
+
+def word_tokenizer(words, **special_tokens):
+    """A whitespace word-level fast tokenizer over ``words`` (id = position), no hub.
+
+    ``special_tokens`` are PreTrainedTokenizerFast's (``bos_token="<s>"``, ``pad_token=...``); the
+    unknown token is ``"<unk>"``, which ``words`` must contain.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", **special_tokens)

@@ -479,16 +479,10 @@ SPECIAL = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<unk>": 3}
 
 def tiny_tokenizer(vocab_size: int = 128):
     """A word-level tokenizer over ``w4 .. w{vocab_size-1}`` (id = number) plus the specials, no hub."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from ..tiny import word_tokenizer
 
-    vocab = dict(SPECIAL)
-    vocab.update({f"w{i}": i for i in range(len(SPECIAL), vocab_size)})
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
-    )
+    words = sorted(SPECIAL, key=SPECIAL.get) + [f"w{i}" for i in range(len(SPECIAL), vocab_size)]
+    return word_tokenizer(words, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
 
 
 def find_in_row(row, tokens) -> int:

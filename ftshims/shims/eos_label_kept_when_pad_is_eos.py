@@ -114,14 +114,10 @@ _WORDS = ["<unk>", "<s>", "</s>", "<mask>", "a", "b", "c", "d", "e", "f", "g"]
 
 def tokenizer(padding_side: str = "right", pad_is_eos: bool = True):
     """A WordLevel tokenizer; pad = eos = ``</s>`` unless ``pad_is_eos`` is False (then pad = ``<unk>``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from ..tiny import word_tokenizer
 
-    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(_WORDS)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
-                                  pad_token="</s>" if pad_is_eos else "<unk>", unk_token="<unk>",
-                                  mask_token="<mask>")
+    tok = word_tokenizer(_WORDS, bos_token="<s>", eos_token="</s>", pad_token="</s>" if pad_is_eos else "<unk>",
+                         mask_token="<mask>")
     tok.padding_side = padding_side
     return tok
 

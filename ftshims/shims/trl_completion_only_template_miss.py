@@ -205,14 +205,9 @@ _WORDS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>", "user", "assistant", "##
 
 def tokenizer():
     """A WordLevel tokenizer with ChatML-style markers; pad = eos = ``<|im_end|>`` (the Qwen setup of trl#1191)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from ..tiny import word_tokenizer
 
-    vocab = {w: i for i, w in enumerate(_WORDS)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="<|im_end|>",
-                                   pad_token="<|im_end|>", unk_token="<unk>")
+    return word_tokenizer(_WORDS, bos_token="<s>", eos_token="<|im_end|>", pad_token="<|im_end|>")
 
 
 SCENARIOS = {

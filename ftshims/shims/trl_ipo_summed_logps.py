@@ -143,13 +143,9 @@ ROWS = [
 
 def tokenizer():
     """A WordLevel tokenizer whose pad/bos/eos ids (0/1/2) match ``ftshims.tiny.TINY_LLAMA``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from ..tiny import word_tokenizer
 
-    core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(_WORDS)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return word_tokenizer(_WORDS, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 def trainer(loss_type: str, output_dir: str, beta: float = 0.5):
