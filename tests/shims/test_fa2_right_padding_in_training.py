@@ -23,6 +23,14 @@ CHECKED = [f for f in PRESENT if module.has_check(f)]
 in_range_only = pytest.mark.skipif(not IN_RANGE, reason=f"transformers {VERSION} is outside the shim's range")
 
 
+@pytest.fixture(params=CHECKED or ["none"])
+def family(request):
+    """Each family whose installed modeling code has the check (tests that need one ask for ``family``)."""
+    if request.param == "none":
+        pytest.skip(f"no family has the check in transformers {VERSION}")
+    return request.param
+
+
 def _present(family):
     if family not in PRESENT:
         pytest.skip(f"transformers {VERSION} has no {family}")
@@ -55,12 +63,9 @@ def _generate(model, inputs):
 
 @in_range_only
 @pytest.mark.parametrize("mode", ["eval", "train"])
-@pytest.mark.parametrize("family", CHECKED or ["none"])
 def test_right_padded_generation_still_raises(family, mode):
     """Generation is where upstream's check is right: with the shim applied, right-padded generate()
     (in eval mode, and in train mode: generate passes use_cache / a cache itself) still raises."""
-    if family == "none":
-        pytest.skip(f"no family has the check in transformers {VERSION}")
     model = _flash_model(family)
     getattr(model, mode)()
     with ftshims.applied(only=[SHIM]) as report, module.stand_in(model), torch.no_grad():
@@ -71,11 +76,8 @@ def test_right_padded_generation_still_raises(family, mode):
 
 
 @in_range_only
-@pytest.mark.parametrize("family", CHECKED or ["none"])
 def test_eval_forward_and_explicit_cache_pass_through(family):
     """Eval-mode forwards and training forwards that ask for a cache keep upstream's behaviour."""
-    if family == "none":
-        pytest.skip(f"no family has the check in transformers {VERSION}")
     model = _flash_model(family)
     inputs = module.batch("right")
     with ftshims.applied(only=[SHIM]), module.stand_in(model), torch.no_grad():
@@ -90,11 +92,8 @@ def test_eval_forward_and_explicit_cache_pass_through(family):
 
 
 @in_range_only
-@pytest.mark.parametrize("family", CHECKED or ["none"])
 def test_gradient_checkpointing_left_to_upstream(family):
     """With gradient checkpointing upstream turns use_cache off before the check (4.36.2+): no action."""
-    if family == "none":
-        pytest.skip(f"no family has the check in transformers {VERSION}")
     model = _flash_model(family)
     model.gradient_checkpointing_enable()
     with ftshims.applied(only=[SHIM]), module.stand_in(model), tiny.quiet():
@@ -103,11 +102,8 @@ def test_gradient_checkpointing_left_to_upstream(family):
 
 
 @in_range_only
-@pytest.mark.parametrize("family", CHECKED or ["none"])
 def test_calls_that_would_not_raise_are_untouched(family):
     """Left padding under flash, and right padding under sdpa: outputs (cache included) as without the shim."""
-    if family == "none":
-        pytest.skip(f"no family has the check in transformers {VERSION}")
     flash = _flash_model(family)
     sdpa = module.tiny_model(family)
     cases = [(flash, module.batch("left")), (sdpa, module.batch("right"))]
@@ -130,12 +126,9 @@ def test_calls_that_would_not_raise_are_untouched(family):
 
 
 @in_range_only
-@pytest.mark.parametrize("family", CHECKED or ["none"])
 def test_fixed_forward_counts_and_uses_the_flash_code(family, monkeypatch):
     """The fixed forward runs transformers' flash path (the stand-in varlen kernel, once per layer), and
     the shim counts what it did."""
-    if family == "none":
-        pytest.skip(f"no family has the check in transformers {VERSION}")
     calls = []
     kernel = flash_attn_packing.reference_flash_attn_varlen_func
     monkeypatch.setattr(flash_attn_packing, "reference_flash_attn_varlen_func",

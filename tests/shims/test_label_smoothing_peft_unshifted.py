@@ -78,6 +78,18 @@ def _loss(trainer, model, batch):
         return trainer.compute_loss(model, dict(batch))
 
 
+def _assert_untouched(trainer, model, batch):
+    """The loss is the same tensor value with and without the shim, and the shim records no action."""
+    import torch
+
+    plain = _loss(trainer, model, batch)
+    with ftshims.applied(only=[SHIM]):
+        shimmed = _loss(trainer, model, batch)
+        actions = ftshims.status()[SHIM].actions
+    assert torch.equal(plain, shimmed)
+    assert actions == {}
+
+
 def test_peft_sequence_classification_loss_is_bit_identical():
     """A LoRA sequence classifier's labels must not be shifted: its smoothed loss is the same tensor value
     with and without the shim, and the shim does nothing."""
@@ -86,27 +98,15 @@ def test_peft_sequence_classification_loss_is_bit_identical():
     model = _seqcls_lora().eval()
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), "labels": torch.tensor([0, 2])}
     trainer = _trainer(model)
-    plain = _loss(trainer, model, batch)
-    with ftshims.applied(only=[SHIM]):
-        shimmed = _loss(trainer, model, batch)
-        actions = ftshims.status()[SHIM].actions
-    assert torch.equal(plain, shimmed)
-    assert actions == {}
+    _assert_untouched(trainer, model, batch)
 
 
 def test_no_label_smoothing_passes_through():
     """label_smoothing_factor=0: the model computes its own (shifted) loss; the shim does nothing."""
-    import torch
-
     model = tiny.lora(tiny.tiny_llama()).eval()
     batch = tiny.batch()
     trainer = _trainer(model, smoothing=0.0)
-    plain = _loss(trainer, model, batch)
-    with ftshims.applied(only=[SHIM]):
-        shimmed = _loss(trainer, model, batch)
-        actions = ftshims.status()[SHIM].actions
-    assert torch.equal(plain, shimmed)
-    assert actions == {}
+    _assert_untouched(trainer, model, batch)
 
 
 class _Boom(RuntimeError):
@@ -193,7 +193,6 @@ def test_compute_loss_func_passes_through():
     """4.46+: a compute_loss_func takes the labels instead of the smoother; the shim leaves that call alone."""
     import inspect
 
-    import torch
     from transformers import Trainer, TrainingArguments
 
     if "compute_loss_func" not in inspect.signature(Trainer.__init__).parameters:
@@ -208,9 +207,4 @@ def test_compute_loss_func_passes_through():
     with tiny.quiet():
         args = probe_module.training_args(TrainingArguments, tempfile.mkdtemp(), label_smoothing_factor=0.1)
         trainer = Trainer(model=model, args=args, compute_loss_func=loss_func)
-    plain = _loss(trainer, model, batch)
-    with ftshims.applied(only=[SHIM]):
-        shimmed = _loss(trainer, model, batch)
-        actions = ftshims.status()[SHIM].actions
-    assert torch.equal(plain, shimmed)
-    assert actions == {}
+    _assert_untouched(trainer, model, batch)
