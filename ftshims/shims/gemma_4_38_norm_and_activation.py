@@ -63,7 +63,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .._util import acted, compiling, warn_once
+from .._util import acted, warn_once
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 MODULE = "transformers.models.gemma.modeling_gemma"
@@ -155,8 +155,7 @@ def _norm_forward(wrapped, instance, args, kwargs):
     weight = getattr(instance, "weight", None)
     if x is None or weight is None or (x.dtype not in half and weight.dtype not in half):
         return wrapped(*args, **kwargs)  # float32 / float64: 4.38 is already right (bit-identical for float32)
-    if not compiling():  # no Python side effects inside a torch.compile trace
-        acted(SPEC.id, "Gemma RMSNorm calls computed in float32")
+    acted(SPEC.id, "Gemma RMSNorm calls computed in float32")  # acted/warn_once do nothing inside a compile trace
     # transformers 4.39.0 GemmaRMSNorm.forward, lines 90-94
     output = instance._norm(x.float())
     output = output * (1.0 + weight.float())
@@ -176,13 +175,12 @@ def _mlp_forward(wrapped, instance, args, kwargs):
     if act is None or built is None or type(current) is not type(built) or type(current) is type(act):
         # unknown name, an act_fn someone replaced, or already the wanted activation: 4.38 as is
         return wrapped(*args, **kwargs)
-    if not compiling():  # no Python side effects inside a torch.compile trace
-        acted(SPEC.id, "Gemma MLP calls run with the config's 4.39 activation")
-        warn_once(_WARNED, name, lambda: log.warning(
-            "ftshims %s: Gemma config hidden_act=%r runs %s on transformers 4.38.x; using %r as transformers "
-            "4.39+ does (set config.hidden_activation to choose explicitly)",
-            SPEC.id, config.hidden_act, type(current).__name__, name,
-        ))
+    acted(SPEC.id, "Gemma MLP calls run with the config's 4.39 activation")
+    warn_once(_WARNED, name, lambda: log.warning(
+        "ftshims %s: Gemma config hidden_act=%r runs %s on transformers 4.38.x; using %r as transformers "
+        "4.39+ does (set config.hidden_activation to choose explicitly)",
+        SPEC.id, config.hidden_act, type(current).__name__, name,
+    ))
     # transformers 4.38.x GemmaMLP.forward with the activation 4.39.0 (lines 175-186) picks
     return instance.down_proj(act(instance.gate_proj(x)) * instance.up_proj(x))
 
