@@ -495,7 +495,8 @@ class ShimCounts:
     warned: List[str]
     unpatched: List[Dict[str, Any]]
     unverified: List[str]
-    opt_in: List[str]
+    opt_in: List[str]  # every opt-in shim not applied: speed ones and fixes that change what a run trains
+    opt_in_speed: List[str]
 
     @classmethod
     def of(cls, shims: List[Dict[str, Any]]) -> "ShimCounts":
@@ -514,6 +515,7 @@ class ShimCounts:
             unpatched=[s for s in fix if s["verdict"] == UNPATCHED],
             unverified=[s["id"] for s in fix if s["verdict"] == UNVERIFIED],
             opt_in=[s["id"] for s in shims if s["verdict"] == OPT_IN],
+            opt_in_speed=[s["id"] for s in shims if s["verdict"] == OPT_IN and s["kind"] == "speed"],
         )
 
 
@@ -602,13 +604,12 @@ def _headline(report: Dict[str, Any], counts: ShimCounts) -> str:
             message += f" Unpatched: {', '.join(s['id'] for s in unpatched)}."
         if counts.patched:
             message += " Call ftshims.apply() (or import ftshims.auto) at the top of your training script; the doctor itself patched nothing."
-    speed = [s["id"] for s in report["shims"] if s["id"] in counts.opt_in and s["kind"] == "speed"]
-    choices = [i for i in counts.opt_in if i not in speed]
+    choices = [i for i in counts.opt_in if i not in counts.opt_in_speed]
     if choices:
         message += (f" Opt-in fixes that change what a run trains (off by default): {', '.join(choices)}"
                     " (ftshims.apply(include=[...]); see each shim's symptom).")
-    if speed:
-        message += f" Opt-in speed shims available: {', '.join(speed)} (ftshims.apply(include=[...]))."
+    if counts.opt_in_speed:
+        message += f" Opt-in speed shims available: {', '.join(counts.opt_in_speed)} (ftshims.apply(include=[...]))."
     probe_rows = report["probes"]["results"]
     if report["probes"]["requested"]:
         ran = [r for r in probe_rows if r.get("bug_without_shim") is not None]

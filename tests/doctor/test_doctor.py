@@ -789,3 +789,20 @@ def test_model_specific_advisory_with_model(tmp_path, model_type, applies):
 def test_advisories_without_model_types_always_apply():
     rows = report_mod.advisory_rows([{"name": "transformers", "version": "4.47.0"}], None, "llama")
     assert rows and all(r["applies"] == "yes" for r in rows if not r["model_types"])
+
+
+def test_summary_names_opt_in_fixes_apart_from_speed_shims(full_report):
+    """An opt-in fix (it changes what a run trains) is not offered as a speed shim, nor counted as a known bug."""
+    rows = {row["id"]: row for row in full_report["shims"]}
+    summary = full_report["summary"]
+    message = summary["message"]
+    for shim_id, row in rows.items():
+        if row["verdict"] != "opt-in":
+            continue
+        assert shim_id in summary["opt_in"] and shim_id not in summary["known_bugs"]
+        speed_part = message.split("Opt-in speed shims available:", 1)[1] if "speed shims" in message else ""
+        if row["kind"] == "speed":
+            assert shim_id in speed_part
+        else:
+            assert shim_id in message.split("Opt-in fixes that change what a run trains", 1)[1]
+            assert shim_id not in speed_part
