@@ -558,6 +558,13 @@ def _warnings(report: Dict[str, Any], counts: ShimCounts) -> List[str]:
     torch = report["environment"]["torch"]
     if torch.get("status") == "import failed":
         warnings.append(f"torch does not import: {torch.get('error')}")
+    python = report["environment"]["python"]
+    if python.get("no_bytecode") and python.get("writes_bytecode") is False:
+        warnings.append(
+            f"{' and '.join(python['no_bytecode'])} have no compiled bytecode and PYTHONDONTWRITEBYTECODE is set: every "
+            "process compiles them from source again (seconds per start, --probe included); fix: "
+            "python -m compileall -q \"$(python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')\""
+        )
     for row in report["trial"]["imports"]:
         if not row["ok"]:
             warnings.append(f"import {row['module']} failed: {row['error']}")

@@ -806,3 +806,23 @@ def test_summary_names_opt_in_fixes_apart_from_speed_shims(full_report):
         else:
             assert shim_id in message.split("Opt-in fixes that change what a run trains", 1)[1]
             assert shim_id not in speed_part
+
+
+def test_packages_without_bytecode_are_a_warning_only_when_python_will_not_write_it(tmp_path, monkeypatch):
+    """Without .pyc files and with PYTHONDONTWRITEBYTECODE, every process compiles torch/transformers again."""
+    import compileall
+
+    for name in ("compiled_pkg", "source_pkg"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("VALUE = 1\n")
+    assert compileall.compile_dir(str(tmp_path / "compiled_pkg"), quiet=1)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert environment.packages_without_bytecode(("compiled_pkg", "source_pkg", "no_such_pkg")) == ["source_pkg"]
+
+    report = report_mod.skeleton(QUICK)
+    for writes, warned in ((True, False), (False, True)):
+        report["environment"]["python"] = {"writes_bytecode": writes, "no_bytecode": ["torch", "transformers"]}
+        warnings = report_mod.summarize(report)["warnings"]
+        assert any("torch and transformers have no compiled bytecode" in w and "compileall" in w for w in warnings) == warned
+    report["environment"]["python"] = {"writes_bytecode": False, "no_bytecode": []}
+    assert not any("bytecode" in w for w in report_mod.summarize(report)["warnings"])
