@@ -1,9 +1,11 @@
 """Build the doctor's report: a plain, JSON-ready dict whose keys are documented in docs/doctor-json.md.
 
-The report is a fixed set of sections. Each one is produced by a guarded step:
-a step that raises (a doctor bug, or a package misbehaving in a way nobody
-foresaw) leaves its section at the documented empty value and adds an entry to
-``errors``; the other sections and the exit code are still produced.
+The report is a fixed set of typed sections (:class:`Report`), filled by guarded
+steps and turned into the dict once, at the end. A step that raises (a doctor
+bug, or a package misbehaving in a way nobody foresaw), or returns something
+that is not its section's shape, leaves its section at the documented empty
+value and adds an entry to ``errors``; the other sections and the exit code are
+still produced.
 
 Besides the environment and the shims, three sections: ``probes`` (``--probe``: every
 shim's reproduction run without and with the shim in child processes, see
@@ -75,8 +77,9 @@ class Options:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "progress"}
 
 
-# The report's sections at their empty values, one small type each (docs/doctor-json.md documents the keys).
-# :func:`skeleton` turns them into the JSON-ready dict the steps then fill in.
+# The report's sections, one small type each (docs/doctor-json.md documents the keys). :func:`collect` fills a
+# :class:`Report` step by step and turns it into the JSON-ready dict once, at the end (:meth:`Report.to_dict`).
+# Sections that are lists of rows (packages, shims, advisories, findings) hold the rows as dicts.
 
 
 @dataclass
@@ -87,17 +90,16 @@ class FtshimsSection:
     env_errors: List[Dict[str, Any]] = field(default_factory=list)
 
 
-@dataclass
-class TorchSection:
-    status: Optional[str] = None
-    error: Optional[str] = None
+def _torch_unknown() -> Dict[str, Any]:
+    # Filled by environment.torch_info (or the probe server's copy of it): many documented keys.
+    return {"status": None, "error": None}
 
 
 @dataclass
 class EnvironmentSection:
     python: Dict[str, Any] = field(default_factory=dict)
     platform: Dict[str, Any] = field(default_factory=dict)
-    torch: TorchSection = field(default_factory=TorchSection)
+    torch: Dict[str, Any] = field(default_factory=_torch_unknown)
 
 
 @dataclass
@@ -143,7 +145,7 @@ class TimingSection:
 
 @dataclass
 class Report:
-    """The whole report at its empty values: its shape never depends on what failed."""
+    """The whole report, starting at its empty values: its shape never depends on what failed."""
 
     options: Dict[str, Any]
     flash_attn: Dict[str, Any]
@@ -166,6 +168,15 @@ class Report:
     timing: TimingSection = field(default_factory=TimingSection)
     errors: List[Dict[str, Any]] = field(default_factory=list)
 
+    @classmethod
+    def empty(cls, options: Options) -> "Report":
+        return cls(options=options.to_dict(), flash_attn=flashattn.not_installed(options.flash_attn_timeout))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON-ready dict, its keys in the documented order."""
+        sections = asdict(self)
+        return {key: sections[key] for key in _ORDER}
+
 
 _ORDER = ("schema", "schema_version", "created", "ftshims", "options", "environment", "packages", "flash_attn",
           "trial", "shims", "probes", "advisories", "findings", "tested_stack", "frameworks", "summary", "timing",
@@ -173,13 +184,14 @@ _ORDER = ("schema", "schema_version", "created", "ftshims", "options", "environm
 
 
 def skeleton(options: Options) -> Dict[str, Any]:
-    """The report with every section at its empty value (:class:`Report`), as the dict the steps fill in."""
-    sections = asdict(Report(options=options.to_dict(), flash_attn=flashattn.not_installed(options.flash_attn_timeout)))
-    return {key: sections[key] for key in _ORDER}
+    """The report with every section at its empty value, as a dict (what a failed step leaves)."""
+    return Report.empty(options).to_dict()
 
 
 class _Steps:
-    def __init__(self, report: Dict[str, Any]):
+    """Runs the report's steps: a step that raises leaves its default and adds an entry to ``errors``."""
+
+    def __init__(self, report: Report):
         self.report = report
 
     def run(self, name: str, step: Callable[[], Any], default: Any = None) -> Any:
@@ -189,30 +201,32 @@ class _Steps:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            self.report["errors"].append(
+            self.report.errors.append(
                 {"section": name, "error": error_text(exc), "traceback": traceback.format_exc(limit=8)}
             )
             return default
         finally:
-            sections = self.report["timing"]["sections"]
+            sections = self.report.timing.sections
             sections[name] = round(sections.get(name, 0.0) + time.perf_counter() - start, 3)
 
 
 def collect(options: Optional[Options] = None, started: Optional[float] = None) -> Dict[str, Any]:
-    """Run every check and return the report. Never raises (except KeyboardInterrupt)."""
+    """Run every check and return the report as a dict. Never raises (except KeyboardInterrupt)."""
     options = options or Options()
     started = time.perf_counter() if started is None else started
-    report = skeleton(options)
+    report = Report.empty(options)
     steps = _Steps(report)
 
-    report["ftshims"] = steps.run("ftshims", ftshims_info, report["ftshims"])
+    report.ftshims = steps.run("ftshims", lambda: FtshimsSection(**ftshims_info()), report.ftshims)
     names = steps.run("packages", lambda: package_names(_registry_packages()), package_names(()))
-    report["packages"] = steps.run("packages", lambda: collect_packages(names), [])
-    report["tested_stack"] = steps.run(
-        "tested_stack", lambda: stacks.tested_stack(stacks.installed_versions(report["packages"])), report["tested_stack"]
+    report.packages = steps.run("packages", lambda: collect_packages(names), [])
+    report.tested_stack = steps.run(
+        "tested_stack", lambda: stacks.tested_stack(stacks.installed_versions(report.packages)), report.tested_stack
     )
-    report["frameworks"] = steps.run("frameworks", frameworks.frameworks_section, report["frameworks"])
-    fa_row = _row(report["packages"], "flash-attn")
+    report.frameworks = steps.run(
+        "frameworks", lambda: FrameworksSection(**frameworks.frameworks_section()), report.frameworks
+    )
+    fa_row = _row(report.packages, "flash-attn")
     fa_version = fa_row.get("version")
 
     # Started first, collected last: the children's imports overlap the doctor's own.
@@ -224,52 +238,52 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
     if options.check_flash_attn:
         check = steps.run("flash_attn", lambda: flashattn.start(options.flash_attn_timeout, fa_version, broken))
     elif flashattn.is_present(fa_version, broken):
-        report["flash_attn"] = flashattn.skipped(fa_version, options.flash_attn_timeout, "flash-attn import check skipped (--no-flash-attn)")
+        report.flash_attn = flashattn.skipped(fa_version, options.flash_attn_timeout, "flash-attn import check skipped (--no-flash-attn)")
     try:
-        env = report["environment"]
-        env["python"] = steps.run("environment", python_info, {})
-        env["platform"] = steps.run("environment", platform_info, {})
+        env = report.environment
+        env.python = steps.run("environment", python_info, {})
+        env.platform = steps.run("environment", platform_info, {})
         # With --probe the probe server computes the torch section and the trial in a forked child: it has
         # imported torch/transformers/peft/trl already, so the doctor need not import them a second time.
         served = steps.run("probe_server", lambda: probe_run.environment(_SERVER_WAIT_S)) if probe_run is not None else None
         if served:
-            env["torch"] = served["torch"]
+            env.torch = served["torch"]
         else:
-            env["torch"] = steps.run("environment", torch_info, env["torch"])
+            env.torch = steps.run("environment", torch_info, env.torch)
 
-        if report["ftshims"].get("env_errors"):
+        if report.ftshims.env_errors:
             # apply() rejects these settings and applies nothing; a trial would only repeat its ValueError.
-            report["trial"]["mode"] = "skipped: an FTSHIMS_* setting is invalid (see problems); statuses from version gating only"
-            report["shims"] = steps.run("shims", _gating_despite_bad_settings, [])
+            report.trial.mode = "skipped: an FTSHIMS_* setting is invalid (see problems); statuses from version gating only"
+            report.shims = steps.run("shims", _gating_despite_bad_settings, [])
         else:
             if served:
                 trial = served_trial(served["trial"])
             else:
                 trial = steps.run("trial", lambda: run_trial(options.trial_imports))
             if trial is not None:
-                report["trial"] = {"mode": trial["mode"], "imports": trial["imports"], "seconds": trial["seconds"]}
-                report["shims"] = steps.run("shims", lambda: shim_rows(trial, options.trial_imports), [])
+                report.trial = TrialSection(mode=trial["mode"], imports=trial["imports"], seconds=trial["seconds"])
+                report.shims = steps.run("shims", lambda: shim_rows(trial, options.trial_imports), [])
             else:
-                report["trial"]["mode"] = "failed; statuses from version gating only"
-                report["shims"] = steps.run("shims", gating_only_rows, [])
+                report.trial.mode = "failed; statuses from version gating only"
+                report.shims = steps.run("shims", gating_only_rows, [])
 
         if options.lint_requested():
-            report["findings"] = steps.run("lint", lambda: _lint(options, report), [])
+            report.findings = steps.run("lint", lambda: _lint(options, report.shims), [])
 
         if check is not None:
-            report["flash_attn"] = steps.run("flash_attn", lambda: check.result(env["torch"]), report["flash_attn"])
-        report["advisories"] = steps.run(
-            "advisories", lambda: advisory_rows(report["packages"], report["flash_attn"], _model_type(options)), []
+            report.flash_attn = steps.run("flash_attn", lambda: check.result(env.torch), report.flash_attn)
+        report.advisories = steps.run(
+            "advisories", lambda: advisory_rows(report.packages, report.flash_attn, _model_type(options)), []
         )
         if probe_run is not None:
-            steps.run("probes", lambda: _collect_probes(probe_run, report))
-        patchers = [r for r in report["frameworks"]["frameworks"] if r["version"] and r["kind"] in ("framework", "patcher")]
+            steps.run("probes", lambda: _collect_probes(probe_run, report.probes))
+        patchers = [r for r in report.frameworks.frameworks if r["version"] and r["kind"] in ("framework", "patcher")]
         if options.probe and patchers:
             # which of ftshims' targets the installed frameworks replace once imported (a fresh process;
             # ~20 s of imports, so only where a framework or patcher that replaces functions is installed)
-            report["frameworks"]["probe"] = steps.run("frameworks", frameworks.probe_section)
+            report.frameworks.probe = steps.run("frameworks", frameworks.probe_section)
         if probe_run is None and options.probe:
-            report["probes"]["requested"] = True
+            report.probes.requested = True
     except BaseException:
         if probe_run is not None:
             probe_run.close()
@@ -278,9 +292,9 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
         if check is not None:
             check.close()
 
-    report["summary"] = steps.run("summary", lambda: summarize(report), _fallback_summary())
-    report["timing"]["total_s"] = round(time.perf_counter() - started, 2)
-    return report
+    report.summary = steps.run("summary", lambda: summarize(report.to_dict()), _fallback_summary())
+    report.timing.total_s = round(time.perf_counter() - started, 2)
+    return report.to_dict()
 
 
 def _gating_despite_bad_settings() -> List[Dict[str, Any]]:
@@ -311,16 +325,18 @@ def _start_probes(options: Options):
 _SERVER_WAIT_S = 180.0
 
 
-def _collect_probes(run, report: Dict[str, Any]) -> None:
-    results = run.results()
-    section = report["probes"]
-    section.update(run.summary())
-    section["requested"] = True
-    section["results"] = results
-    section["seconds"] = round(time.perf_counter() - run.started, 2)
+def _collect_probes(run, section: ProbesSection) -> None:
+    section.results = run.results()
+    known = {f.name for f in fields(section)}
+    for name, value in run.summary().items():
+        if name not in known:  # it would not reach the JSON
+            raise KeyError(f"the probe run's summary has {name!r}, which the probes section does not document")
+        setattr(section, name, value)
+    section.requested = True
+    section.seconds = round(time.perf_counter() - run.started, 2)
 
 
-def _lint(options: Options, report: Dict[str, Any]) -> List[Dict[str, Any]]:
+def _lint(options: Options, shim_rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     from .. import lint
 
     return lint.run(
@@ -331,7 +347,7 @@ def _lint(options: Options, report: Dict[str, Any]) -> List[Dict[str, Any]]:
             deepspeed=options.deepspeed,
             train_config=options.train_config,
         ),
-        shim_rows=report["shims"],
+        shim_rows=shim_rows,
     )
 
 

@@ -432,10 +432,14 @@ def test_a_failing_step_is_reported_and_the_rest_still_runs(monkeypatch, capsys)
 
     monkeypatch.setattr(report_mod, "torch_info", explode)
     monkeypatch.setattr(report_mod, "run_trial", lambda trial_imports: explode())
+    monkeypatch.setattr(report_mod.frameworks, "frameworks_section", explode)
+    monkeypatch.setattr(report_mod, "ftshims_info", lambda: {"version": "1", "undocumented": True})  # not the section's shape
     code, out = run_main(capsys, "--json", "--no-flash-attn")
     data = json.loads(out)
     assert code in (0, 1)
-    assert {e["section"] for e in data["errors"]} == {"environment", "trial"}
+    assert {e["section"] for e in data["errors"]} == {"environment", "trial", "frameworks", "ftshims"}
+    empty = report_mod.skeleton(Options())
+    assert data["ftshims"] == empty["ftshims"] and data["frameworks"] == empty["frameworks"]  # left at their empty values
     assert data["environment"]["torch"] == {"status": None, "error": None}
     assert [row["id"] for row in data["shims"]] == list(registry.ids())  # from version gating
     assert data["trial"]["mode"].startswith("failed")
