@@ -2,7 +2,7 @@
 
 The package is written to a temporary directory so that "not imported yet",
 "imported later" and "raises on import" are real import-system states, not
-mocks.
+mocks. :func:`at_once_on_threads` starts the same call on several threads at once.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import sys
 import textwrap
+import threading
 import types
 from typing import Callable, Dict, Iterable, Optional
 
@@ -127,3 +128,23 @@ def _target_of(patcher):
     shim = registry.shims()[patcher.shim_id]
     return sys.modules[shim.spec.modules[0]]
 
+
+
+def at_once_on_threads(call: Callable[[], object], count: int = 8) -> list:
+    """Run ``call`` on ``count`` threads released together by a barrier; the exceptions they raised."""
+    barrier = threading.Barrier(count)
+    errors = []
+
+    def worker():
+        try:
+            barrier.wait()
+            call()
+        except Exception as exc:  # collected for the caller to assert on
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors

@@ -74,7 +74,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from tests.shims.test_flash_attn_rotary import VERSIONS, missing, sources
+from tests.shims.test_flash_attn_rotary import VERSIONS, missing, released_root, sources
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_FILE = "tests/test_rotary.py"
@@ -347,13 +347,7 @@ def upstream_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_upstream_rotary_tests(version, upstream_runs):
-    root = sources() / f"flash_attn-{version}"
-    if not (root / "SOURCE.json").is_file():
-        missing(f"flash-attn {version} sources not found in {root}; run tools/fetch_flash_attn_sources.py")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        missing("triton is not installed (needed to run flash-attn's kernels with TRITON_INTERPRET=1)")
+    released_root(version)  # skips (or fails) without the sources or Triton
     if _upstream_file(version)[0] is None:
         missing(f"no released {TEST_FILE} among the fetched sdists ({', '.join(VERSIONS)}); rerun tools/fetch_flash_attn_sources.py")
     from_version, outcomes, data, elapsed, proc = upstream_runs[version].result()

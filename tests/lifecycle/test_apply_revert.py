@@ -26,7 +26,7 @@ import sys
 import threading
 
 import pytest
-from tests.fakes import FakeWorld, add_one_more, wrap_add
+from tests.fakes import FakeWorld, add_one_more, at_once_on_threads, wrap_add
 
 import ftshims
 from ftshims import _manager, patching
@@ -254,22 +254,7 @@ def test_concurrent_apply_from_8_threads(world):
     target = world.module()
     original = target.add
     world.add_shim("wrap_add", wrap_add)
-    barrier = threading.Barrier(8)
-    errors = []
-
-    def worker():
-        try:
-            barrier.wait()
-            ftshims.apply()
-        except Exception as exc:  # collected and asserted below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert not at_once_on_threads(ftshims.apply)
     assert target.add(1) == 3, "wrapped exactly once"
     assert target.add.__wrapped__ is original
     ftshims.revert()

@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 
@@ -31,6 +30,7 @@ from ftshims.patching import resolve, wrapper_depth
 from ftshims.probing import in_affected_range
 from ftshims.versions import in_range, installed_version
 
+from tests.fakes import at_once_on_threads
 from tests.lifecycle.test_real_shims import _snapshot
 
 COUNTS = {"cases": 0}
@@ -119,22 +119,7 @@ def test_eight_threads_and_cycles(shim_id):
     before = _snapshot()
     for cycle in range(3):
         COUNTS["cases"] += 1
-        barrier = threading.Barrier(8)
-        errors = []
-
-        def worker():
-            try:
-                barrier.wait()
-                ftshims.apply(only=[shim_id], include=[shim_id])
-            except Exception as exc:  # collected and asserted below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=worker) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors
+        assert not at_once_on_threads(lambda: ftshims.apply(only=[shim_id], include=[shim_id]))
         record = _manager._RECORDS[shim_id]
         assert record.status in ("applied", "deferred", "target missing"), (record.status, record.reason)
         for container, key, is_item, original in (record.patcher.slots if record.patcher else []):

@@ -42,6 +42,18 @@ def sources() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "ftshims" / "flash-attn-sources"
 
 
+def released_root(version: str) -> Path:
+    """The fetched sdist of one flash-attn version; skips (or fails, with the env var set) without it or Triton."""
+    root = sources() / f"flash_attn-{version}"
+    if not (root / "SOURCE.json").is_file():
+        missing(f"flash-attn {version} sources not found in {root}; run tools/fetch_flash_attn_sources.py")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        missing("triton is not installed (needed to run flash-attn's kernels with TRITON_INTERPRET=1)")
+    return root
+
+
 def _purge():
     for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
         del sys.modules[name]
@@ -51,13 +63,7 @@ def _purge():
 def fa_version(request):
     """Makes the released rotary files of one flash-attn version importable as ``flash_attn`` (Triton interpreter)."""
     version = request.param
-    root = sources() / f"flash_attn-{version}"
-    if not (root / "SOURCE.json").is_file():
-        missing(f"flash-attn {version} sources not found in {root}; run tools/fetch_flash_attn_sources.py")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        missing("triton is not installed (needed to run flash-attn's kernels with TRITON_INTERPRET=1)")
+    root = released_root(version)
     import ftshims
 
     ftshims.revert()

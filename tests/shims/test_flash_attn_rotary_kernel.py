@@ -12,7 +12,7 @@ import inspect
 
 import pytest
 from tests.shimcheck import assert_bug_and_fix
-from tests.shims.test_flash_attn_rotary import _tables, fa_modules, fa_version  # noqa: F401  (fa_version: the fixture)
+from tests.shims.test_flash_attn_rotary import _case_inputs, _tables, fa_modules, fa_version  # noqa: F401  (fa_version: the fixture)
 
 torch = pytest.importorskip("torch")
 
@@ -92,19 +92,9 @@ def test_core_parity_with_released_triton(fa_version, case):
     import ftshims
     from ftshims.shims.flash_attn_rotary import cpu_triton
 
-    dtype, interleaved, rotary_dim, varlen, offsets, inplace, conjugate = case
+    dtype = case[0]
     _, ops = fa_modules()
-    gen = torch.Generator().manual_seed(CASES.index(case))
-    cos, sin = _tables(24, rotary_dim, dtype)  # 2.5.8/2.6.3 want cos in x's dtype
-    kw = dict(interleaved=interleaved, inplace=inplace, conjugate=conjugate)
-    if varlen:
-        x = torch.randn(8, 3, 32, generator=gen).to(dtype)
-        kw.update(cu_seqlens=torch.tensor([0, 3, 3, 8], dtype=torch.int32), max_seqlen=5)
-        nseq = 3
-    else:
-        x = torch.randn(2, 6, 3, 32, generator=gen).to(dtype)
-        nseq = 2
-    kw["seqlen_offsets"] = torch.randint(0, 10, (nseq,), generator=gen, dtype=torch.int32) if offsets == "tensor" else offsets
+    x, cos, sin, kw = _case_inputs(case, CASES.index(case))
     with cpu_triton():
         released = ops.apply_rotary(x.clone(), cos, sin, **kw)
         with ftshims.applied(only=[SHIM]):
