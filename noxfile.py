@@ -11,7 +11,8 @@
     nox -s mutation_check     # a no-op version of every fix shim fails its tests (tools/mutation.py)
     nox -s clients            # ftshims inside LLaMA-Factory, Liger, axolotl runs (tests/clients)
 
-Every session is a uv venv with torch 2.13.0 (CPU). uv does not read pip's
+Every session is a uv venv with torch 2.13.0 (CPU) unless its stack names another
+torch (``torch = "2.15.0"`` in stacks.toml: a CUDA build from PyPI, run on the CPU). uv does not read pip's
 configuration, so a local wheel folder named by ``pip config get
 global.find-links`` is passed on explicitly; without one, the PyTorch CPU index
 is used so that uv never pulls a multi-GB CUDA build.
@@ -35,6 +36,12 @@ STACKS = datafiles.stacks()
 DEFAULT_STACK = datafiles.default_stack()
 RESULTS = ROOT / "matrix-results"
 TORCH = "torch==2.13.0"
+
+
+def _torch(stack: str) -> str:
+    """The torch pin of a stack: its ``torch`` key, else the CPU 2.13.0 every other stack runs."""
+    version = STACKS[stack].get("torch")
+    return f"torch=={version}" if version else TORCH
 TEST_DEPS = ["wrapt>=1.14", "packaging>=21", "pytest>=7", "hypothesis>=6", "pyyaml", "ninja"]
 
 nox.options.default_venv_backend = "uv"
@@ -83,7 +90,7 @@ def _install_project(session: nox.Session) -> None:
 
 
 def _run_suite(session: nox.Session, stack: str) -> None:
-    session.install(*_torch_source(), TORCH, *STACKS[stack]["pins"], *TEST_DEPS)
+    session.install(*_torch_source(), _torch(stack), *STACKS[stack]["pins"], *TEST_DEPS)
     _install_project(session)
     RESULTS.mkdir(exist_ok=True)
     env = _test_env(FTSHIMS_STACK=stack, FTSHIMS_EVIDENCE_OUT=str(RESULTS / f"{stack}.json"))
@@ -166,7 +173,7 @@ MUTATION_STACKS = sorted({s for s in mutation.assignment().values() if s and s !
 @nox.parametrize("stack", MUTATION_STACKS)
 def mutation_check(session: nox.Session, stack: str) -> None:
     """Every fix shim's tests fail when the shim is installed as a no-op (tools/mutation.py)."""
-    session.install(*_torch_source(), TORCH, *STACKS[stack]["pins"], *TEST_DEPS)
+    session.install(*_torch_source(), _torch(stack), *STACKS[stack]["pins"], *TEST_DEPS)
     _install_project(session)
     session.run("python", "tools/mutation.py", "--stack", stack, "--out", str(RESULTS / "mutation"),
                 env=_test_env(FTSHIMS_STACK=stack))
@@ -187,7 +194,7 @@ def zoo(session: nox.Session, stack: str) -> None:
     nox -s "zoo(stack='t4_57')" runs the default stack only; arguments after -- go to tests/zoo/gate.py
     (e.g. -- --only llama,clip --verbose). Results: matrix-results/zoo/<stack>.json and <stack>-skips.txt.
     """
-    session.install(*_torch_source(), TORCH, *STACKS[stack]["pins"], *TEST_DEPS)
+    session.install(*_torch_source(), _torch(stack), *STACKS[stack]["pins"], *TEST_DEPS)
     out = RESULTS / "zoo"
     out.mkdir(parents=True, exist_ok=True)
     min_causal, min_overall = ZOO_STACKS[stack]

@@ -64,6 +64,33 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class FollowUp:
+    """What upstream changed after the fix a shim backports, and what the shim does about it.
+
+    ``ref`` is the follow-up (a PR, a revert, a regression report or a later
+    release's code at the same place), ``what`` says what it changed,
+    ``carried`` whether the shim carries it, and ``reason`` why not when it
+    does not (it does not apply to the versions in range, say).
+    """
+
+    ref: str
+    what: str
+    carried: bool
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.ref or not self.what:
+            raise ValueError("a follow-up needs ref= and what=")
+        if not self.carried and not self.reason:
+            raise ValueError(f"follow-up {self.ref}: not carried, so it needs reason= (why it does not apply)")
+
+    @property
+    def statement(self) -> str:
+        """One line for the docstring, the matrix and the doctor: ``#46903 (encoder-decoders) — carried``."""
+        return f"{self.ref} ({self.what}) — " + ("carried" if self.carried else f"not carried: {self.reason}")
+
+
+@dataclass(frozen=True)
 class ShimSpec:
     """The declarative description of one shim.
 
@@ -84,6 +111,15 @@ class ShimSpec:
     option accepts (every option needs one). A ``choices`` entry that is not an
     option is a setting read only from its ``env`` variable (the rotary
     kernel's backend): ``apply()`` checks it when the shim is selected.
+
+    ``since`` is the ftshims release that added the shim as a default, or last
+    changed what it computes (:mod:`ftshims.releases`; ``apply(release=...)``
+    leaves out shims newer than the pinned release). ``backports`` lists the
+    upstream fixes the shim carries to older versions; each backport states
+    what upstream changed after it in ``follow_ups`` (carried, or why not), or,
+    when nothing changed, what was read in ``follow_ups_checked``.
+    ``unpinned`` says why no pinned stack can sit inside the shim's range, when
+    none can (a registry test checks every other range against stacks.toml).
     """
 
     id: str
@@ -101,6 +137,11 @@ class ShimSpec:
     needs_any: Tuple[str, ...] = ()
     options: Mapping[str, object] = field(default_factory=dict)
     choices: Mapping[str, Choice] = field(default_factory=dict)
+    since: str = ""
+    backports: Tuple[str, ...] = ()
+    follow_ups: Tuple[FollowUp, ...] = ()
+    follow_ups_checked: str = ""
+    unpinned: str = ""
 
     @property
     def by_default(self) -> bool:
@@ -120,6 +161,16 @@ class ShimSpec:
             raise ValueError(f"{self.id}: a shim must cite at least one upstream reference")
         if not self.modules:
             raise ValueError(f"{self.id}: a shim must name the modules it patches")
+        from .releases import check_release
+
+        if self.since:  # every registered shim declares one (tests/registry/test_checklist.py); test fakes may not
+            check_release(self.since, what=f"{self.id}: since=")
+        if self.backports and not (self.follow_ups or self.follow_ups_checked):
+            raise ValueError(f"{self.id}: a backport states its upstream follow-ups (follow_ups=, or follow_ups_checked= "
+                             "saying what was read when there are none)")
+        missing = [f.ref for f in self.follow_ups if f.ref not in self.refs] + [b for b in self.backports if b not in self.refs]
+        if missing:
+            raise ValueError(f"{self.id}: backports and follow-ups are cited in refs= too: {', '.join(missing)}")
         for target in self.targets:
             if target.when and target.package not in self.requires:
                 raise ValueError(f"{self.id}: target {target.dotted} has when= on {target.package}, which requires= does not name")

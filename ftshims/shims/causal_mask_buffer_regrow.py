@@ -34,6 +34,7 @@ from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="causal_mask_buffer_regrow",
+    since="0.1.0",
     title="Llama/Gemma 4.38.0–4.38.2 fail past twice max_position_embeddings (causal_mask buffer grows once)",
     symptom="IndexError or a size-mismatch RuntimeError inside the forward for inputs (or cached + new tokens) longer "
     "than 2 x max_position_embeddings on Llama/Gemma",

@@ -41,6 +41,7 @@ from . import _packing
 
 SPEC = ShimSpec(
     id="custom_4d_mask_format",
+    since="0.1.0",
     title="Custom 4D attention masks in the wrong form are silently misused",
     symptom="a binary (0/1) or bool 4D attention mask is ignored or applied non-causally (>=4.44), raises "
     "'Custom 4D attention mask should be passed in inverted form' (4.41–4.43), or an additive one masks everything "

@@ -35,6 +35,7 @@ from ..spec import OPT_IN, Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="eos_label_kept_when_pad_is_eos",
+    since="0.1.0",
     title="DataCollatorForLanguageModeling(mlm=False) masks every EOS label when pad = EOS",
     symptom="with tokenizer.pad_token = tokenizer.eos_token every EOS label is -100, so the model never learns to "
     "stop and generates until max_new_tokens",

@@ -81,6 +81,7 @@ from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="expand_mask_clamp",
+    since="0.1.0",
     title="fp16 NaN from fully-masked (left-padding) attention rows",
     symptom="NaN logits/loss in fp16 with left padding (eager attention); `finfo.min + score` overflows to -inf",
     why="With left padding, padding query rows are fully masked; in fp16 eager attention scores + finfo.min overflow to -inf, the row's softmax is NaN, and the NaN spreads to every position one layer later. The shim keeps fully masked rows finite.",

@@ -83,6 +83,7 @@ PARAMS = ("attention_mask", "past_key_values", "use_cache")
 
 SPEC = ShimSpec(
     id="fa2_right_padding_in_training",
+    since="0.1.0",
     title="Training forwards on right-padded batches raise the 'batched generation with padding_side=right' error "
     "under flash_attention_2",
     symptom="the first training step on a right-padded batch fails with `ValueError: You are attempting to perform "

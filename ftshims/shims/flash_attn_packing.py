@@ -49,6 +49,7 @@ from . import _packing
 
 SPEC = ShimSpec(
     id="flash_attn_packing",
+    since="0.1.0",
     title="Packed examples attend to each other under flash-attention with padding or several packed rows",
     symptom="flash_attention_2/3 with packed position_ids: a padded attention_mask, or a batch of more than one "
     "packed row (transformers >=4.53), runs each row as one sequence (cross-example attention)",

@@ -70,6 +70,7 @@ MODULE = "transformers.models.gemma.modeling_gemma"
 
 SPEC = ShimSpec(
     id="gemma_4_38_norm_and_activation",
+    since="0.1.0",
     title="Gemma on transformers 4.38.x runs exact GELU and rounds RMSNorm to bf16/fp16 before (1 + w)",
     symptom="a bf16/fp16 Gemma on transformers 4.38.0-4.38.2 rounds every RMSNorm output (and 1 + weight) to the "
     "model dtype before the multiply, and a config with hidden_act='gelu' (the released Gemma configs) runs exact "

@@ -32,6 +32,7 @@ from ..spec import Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="kbit_prep_keeps_adapters_trainable",
+    since="0.1.0",
     title="prepare_model_for_kbit_training freezes LoRA adapters of a PeftModel",
     symptom="0 trainable parameters after prepare_model_for_kbit_training(peft_model) or SFTTrainer(quantized PeftModel)",
     why="peft's prepare_model_for_kbit_training freezes every parameter; called on a PeftModel (as TRL 0.20-0.23.0 SFTTrainer does for a quantized PeftModel), it freezes the LoRA weights too and training updates nothing. The shim restores the adapters' requires_grad.",

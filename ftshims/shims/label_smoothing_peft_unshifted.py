@@ -48,6 +48,7 @@ from ..spec import Observation, ShimSpec, Target, TargetMissing
 
 SPEC = ShimSpec(
     id="label_smoothing_peft_unshifted",
+    since="0.1.0",
     title="Trainer label smoothing on a PEFT causal LM scores logits against unshifted labels "
     "(LoRA fixed in 4.36; prefix tuning unfixed)",
     symptom="label_smoothing_factor>0 with a PEFT causal LM (LoRA-style on transformers <4.36; prefix tuning on "

@@ -40,6 +40,7 @@ from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="lora_reentrant_checkpointing",
+    since="0.1.0",
     title="LoRA gets no gradient under reentrant gradient checkpointing",
     symptom="`element 0 of tensors does not require grad` or all-None LoRA grads after gradient_checkpointing_enable()",
     why='Under reentrant gradient checkpointing a block builds a graph only if an input requires grad; with frozen embeddings the LoRA weights inside get no gradient (an error, or silently no training). The shim makes the checkpointed inputs require grad.',

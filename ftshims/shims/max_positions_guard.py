@@ -80,6 +80,7 @@ POLICIES = ("auto", "error", "warn", "truncate")
 
 SPEC = ShimSpec(
     id="max_positions_guard",
+    since="0.1.0",
     title="Inputs longer than max_position_embeddings: clear error / warning / truncation instead of a crash",
     symptom="`IndexError: index out of range in self` (CUDA: device-side assert) for GPT-2/OPT/BART..., silent RoPE "
     "extrapolation",

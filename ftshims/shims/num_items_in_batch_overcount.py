@@ -14,8 +14,9 @@ batches of the same data disagree. Completion-only labels (position 0 already
 ``shift_labels`` when the model's loss is ``ForCausalLMLoss``.
 
 The fix: wrap ``Trainer._get_num_items_in_batch`` and, when the unwrapped
-model's ``loss_type`` maps to ``ForCausalLMLoss`` in ``LOSS_MAPPING`` (the
-upstream test), hand it shallow copies of the batches whose ``labels`` are the
+model's ``loss_type`` maps to ``ForCausalLMLoss`` in ``LOSS_MAPPING`` and its
+config is not an encoder-decoder (the upstream test as 5.15.0 has it), hand it
+shallow copies of the batches whose ``labels`` are the
 labels the loss scores (``shift_labels`` if present, else ``labels[..., 1:]``).
 The original then counts, gathers across devices and divides for DataParallel
 exactly as before; the batches used for training are not modified.
@@ -25,8 +26,21 @@ in 4.57.0, 5.0.0, 5.5.4 and 5.9.0). 4.46-4.56 count inline in
 ``get_batch_samples``, with version-specific gathering: no narrow wrap point,
 so they get the advisory ``num_items_in_batch_overcount_4_46`` instead.
 Fallback: models whose loss does not shift labels (classification, masked LM,
-custom ``compute_loss_func`` on a model without ``loss_type``) and batches
-whose labels are not tensors pass through unchanged.
+encoder-decoders, custom ``compute_loss_func`` on a model without
+``loss_type``) and batches whose labels are not tensors pass through unchanged.
+
+Follow-ups: #46903 (encoder-decoders) — carried. ``"ForConditionalGeneration"``
+maps to ``ForCausalLMLoss`` too, so #46204 alone also counted T5, BART,
+Whisper, Florence2 ... over ``labels[..., 1:]``, although their decoders score
+every label (``decoder_input_ids`` are the labels shifted right): one target
+lost per row (5.10.1-5.14.1 upstream, and this shim in ftshims 0.1.0: T5 with a
+``compute_loss_func`` got 10 for 2 x 6 labels). 5.15.0 adds ``and not
+config.is_encoder_decoder``; so does this shim, which leaves encoder-decoders
+exactly as the installed Trainer counts them. The double-shifted encoder-decoder
+losses of the same era (Moonshine, Florence2 ... fixed in 5.13/5.15) are not
+this shim's: their count stays upstream's. Later releases change only how the
+count is divided for tensor/context/sequence parallelism (5.24:
+``/ (tp * cp * sp)``), which the wrapped original keeps doing as installed.
 """
 
 from __future__ import annotations
@@ -34,10 +48,11 @@ from __future__ import annotations
 import sys
 
 from .._util import acted
-from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from ..spec import FollowUp, Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="num_items_in_batch_overcount",
+    since="0.2.0",
     title="Trainer counts position-0 labels a causal LM never scores into num_items_in_batch",
     symptom="causal LM loss and gradients under-scaled by rows/tokens per step (the first label of each row is "
     "counted but never predicted); padded and padding-free runs of the same data give different losses",
@@ -49,6 +64,12 @@ SPEC = ShimSpec(
     refs=(
         "https://github.com/huggingface/transformers/pull/46204",
         "https://github.com/huggingface/transformers/pull/46335",
+        "https://github.com/huggingface/transformers/pull/46903",
+    ),
+    backports=("https://github.com/huggingface/transformers/pull/46204",),
+    follow_ups=(
+        FollowUp("https://github.com/huggingface/transformers/pull/46903", "encoder-decoders counted over all labels, "
+                 "5.15.0", carried=True),
     ),
     targets=(Target("transformers.trainer", "Trainer._get_num_items_in_batch", params=("batch_samples", "device")),),
     modules=("transformers.trainer",),
@@ -56,7 +77,7 @@ SPEC = ShimSpec(
 
 
 def loss_shifts_labels(trainer) -> bool:
-    """Whether the trainer's model computes its loss with ``ForCausalLMLoss`` (the 5.10.1 test)."""
+    """Whether the trainer's model is a decoder whose loss is ``ForCausalLMLoss`` (the 5.15.0 test)."""
     try:
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     except ImportError:
@@ -70,7 +91,10 @@ def loss_shifts_labels(trainer) -> bool:
             pass
     try:
         loss_type = getattr(model, "loss_type", None)
-        return isinstance(loss_type, str) and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
+        if not (isinstance(loss_type, str) and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss):
+            return False
+        # Encoder-decoders map to ForCausalLMLoss by name ("ForConditionalGeneration") but score every label (#46903).
+        return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     except Exception:  # noqa: BLE001 - a model whose loss_type property raises: no decision, no change
         return False
 

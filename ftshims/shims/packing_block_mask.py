@@ -50,6 +50,7 @@ _WARNED = set()  # model classes told once that a packed batch was left alone
 
 SPEC = ShimSpec(
     id="packing_block_mask",
+    since="0.1.0",
     title="Packed examples attend to each other under eager/sdpa attention",
     symptom="packing with per-example position_ids trains on contaminated context: logits of a packed example differ "
     "from the example run alone (all-ones mask, default use_cache, or transformers <4.53.1)",

@@ -38,6 +38,7 @@ from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="packing_contamination_warning",
+    since="0.1.0",
     title="TRL packing strategies that contaminate by design warn",
     symptom="ConstantLengthDataset / pack_examples / packing_strategy='wrapped' silently let packed examples attend "
     "to each other (no example boundaries are kept)",

@@ -34,6 +34,7 @@ from ..spec import Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="peft_tied_embeddings_lost_on_merge",
+    since="0.1.0",
     title="merge_and_unload keeps tie_word_embeddings=True after a trained lm_head/embed_tokens copy",
     symptom="LoRA with modules_to_save=['lm_head'] (or embed_tokens) on a tied model: merge, save and reload, and "
     "the trained head is overwritten by the embedding (reloaded logits differ from the trained model's)",

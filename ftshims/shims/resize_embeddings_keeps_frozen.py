@@ -28,6 +28,7 @@ from ..spec import Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="resize_embeddings_keeps_frozen",
+    since="0.1.0",
     title="resize_token_embeddings makes frozen embeddings trainable",
     symptom="after resize_token_embeddings, frozen input/output embeddings have requires_grad=True again",
     why='Before transformers 4.36 resize_token_embeddings builds fresh embedding and LM-head parameters that start trainable, so frozen embeddings silently train after adding tokens. The shim carries requires_grad over.',

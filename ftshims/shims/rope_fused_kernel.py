@@ -45,6 +45,7 @@ from ..spec import SPEED, Choice, Observation, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="rope_fused_kernel",
+    since="0.1.0",
     title="Fused q+k rotary kernel for transformers' apply_rotary_pos_emb",
     symptom="HF eager RoPE is memory-bound on six temporaries per call",
     why="Speed opt-in: HF's eager RoPE materialises about six full-size temporaries per call; the fused kernel rotates q and k in one pass with fp32 arithmetic.",

@@ -52,6 +52,7 @@ from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="rope_inv_freq_fp32",
+    since="0.1.0",
     title="RoPE inv_freq cast to bf16/fp16 by model.to(dtype) corrupts cos/sin",
     symptom="after model.to(torch.bfloat16) RoPE cos/sin below position 4096 are off by up to 2.0 (head_dim 128; 4.38+), "
     "or beyond the cached length (<=4.37); bf16 rounding alone would give 2e-3",

@@ -40,6 +40,7 @@ from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="seqcls_pools_before_first_pad",
+    since="0.1.0",
     title="Sequence-classification / reward heads pool the token before the first pad, not the last real token",
     symptom="with pad_token == eos (or any pad id inside the text), LlamaForSequenceClassification and the other "
     "decoder classification heads score the prefix before the first pad/eos: rewards of chosen and rejected are "

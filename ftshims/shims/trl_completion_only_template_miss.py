@@ -45,6 +45,7 @@ POLICIES = ("auto", "error", "warn")
 
 SPEC = ShimSpec(
     id="trl_completion_only_template_miss",
+    since="0.1.0",
     title="DataCollatorForCompletionOnlyLM silently drops examples that miss the template",
     symptom="Examples whose response/instruction template is not found get all labels -100 (TRL only warns); a "
     "template containing the pad token or tokenized differently in context drops every example, loss 0/NaN",

@@ -45,6 +45,7 @@ from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="trl_ipo_summed_logps",
+    since="0.1.0",
     title="DPOTrainer's IPO loss uses summed instead of length-averaged log-probs",
     symptom='DPOTrainer(loss_type="ipo") compares the summed completion log-prob margin with 1/(2*beta): the '
     "effective beta depends on completion length, and betas tuned on TRL >=0.7.11 mean something else",

@@ -48,6 +48,7 @@ _LN2_NEG = -0.6931471805599453
 
 SPEC = ShimSpec(
     id="trl_orpo_log_odds_nan",
+    since="0.1.0",
     title="ORPO odds-ratio loss is NaN/inf when a response's log-prob nears 0",
     symptom="ORPOTrainer: log_odds_chosen/loss NaN or inf and NaN gradients (bf16 log-probs above ~-1e-3; float32 "
     "above ~-1e-7 loses precision, above ~-6e-8 inf), the run blows up",

@@ -39,6 +39,7 @@ log = logging.getLogger("ftshims")
 
 SPEC = ShimSpec(
     id="trl_padding_free_position_ids",
+    since="0.1.0",
     title="TRL padding-free/packed batches lose example boundaries without flash attention",
     symptom="SFTTrainer(packing=True) or padding_free=True with eager/sdpa: the collated row has an all-ones mask and "
     "no position_ids, so packed examples attend to each other and labels cross example boundaries",

@@ -67,3 +67,104 @@ def test_batches_are_not_modified_and_shift_labels_are_counted():
     assert batch["labels"] is labels and shifted["labels"] is labels  # the training batches are untouched
     assert int(num) == 4 + 3  # labels[..., 1:] of the first batch, shift_labels of the second
     assert actions == {"batches counted over the scored labels": 2}
+
+
+# Encoder-decoders: their decoders score every label (decoder_input_ids are the labels shifted right), so the count
+# must stay over all labels (#46903). ftshims 0.1.0's backport counted labels[..., 1:] for them too: T5 got 10 for
+# 2 x 6 labels.
+ROWS, LABELS_PER_ROW = 2, 6
+
+
+def _encoder_decoder(name):
+    import transformers
+
+    from ftshims import tiny
+
+    common = dict(vocab_size=64, pad_token_id=0, decoder_start_token_id=0, eos_token_id=1)
+    if name == "t5":
+        config = transformers.T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+                                       **common)
+        cls = transformers.T5ForConditionalGeneration
+    else:
+        config = transformers.BartConfig(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                         decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                         max_position_embeddings=32, bos_token_id=2, **common)
+        cls = transformers.BartForConditionalGeneration
+    import torch
+
+    torch.manual_seed(0)
+    with tiny.quiet():
+        return cls(config)
+
+
+def _encoder_decoder_step(name, shims_on: bool):
+    """One Trainer step (two micro-batches of ROWS x LABELS_PER_ROW) with a compute_loss_func that records the
+    num_items_in_batch it is handed; returns (the counts seen, the loss of each micro-batch)."""
+    import inspect
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from ftshims import tiny
+
+    if "compute_loss_func" not in inspect.signature(Trainer.__init__).parameters:
+        pytest.skip("this Trainer has no compute_loss_func (before 4.46)")
+    torch.manual_seed(1)
+    rows = []
+    for _ in range(2 * ROWS):
+        labels = torch.randint(5, 64, (LABELS_PER_ROW,)).tolist()
+        # compute_loss_func makes the Trainer pop the labels, so the decoder inputs come with the batch (shifted right)
+        rows.append({"input_ids": torch.randint(5, 64, (8,)).tolist(), "labels": labels,
+                     "decoder_input_ids": [0] + labels[:-1]})
+    seen, losses = [], []
+
+    def compute_loss(outputs, labels, num_items_in_batch=None):
+        seen.append(int(num_items_in_batch))
+        logits = outputs.logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                                 reduction="sum") / num_items_in_batch
+        losses.append(float(loss))
+        return loss
+
+    with tempfile.TemporaryDirectory() as out, tiny.quiet():
+        args = probe_module._training_args(TrainingArguments, out)
+        args = TrainingArguments(**dict(args.to_dict(), output_dir=out, gradient_accumulation_steps=2, max_steps=1,
+                                        save_strategy="no", learning_rate=0.0, disable_tqdm=True, report_to=[]))
+        context = ftshims.applied(only=[SHIM]) if shims_on else _nothing()
+        with context:
+            model = _encoder_decoder(name)
+            Trainer(model=model, args=args, train_dataset=rows, compute_loss_func=compute_loss).train()
+    return seen, losses
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoder_count_is_every_label(name):
+    """T5/BART with a compute_loss_func: num_items_in_batch is all 2 x 2 x 6 labels, with the shim as without it."""
+    plain_seen, plain_losses = _encoder_decoder_step(name, shims_on=False)
+    shim_seen, shim_losses = _encoder_decoder_step(name, shims_on=True)
+    assert plain_seen == [2 * ROWS * LABELS_PER_ROW] * 2, plain_seen  # upstream counts every decoder target
+    assert shim_seen == plain_seen, f"the shim changed an encoder-decoder's count: {shim_seen} vs {plain_seen}"
+    assert shim_losses == plain_losses
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_encoder_decoder_is_not_a_shifting_loss(name):
+    """The decision itself, on every stack that has LOSS_MAPPING: loss_type maps to ForCausalLMLoss, yet no shift."""
+    from ftshims import tiny
+
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        pytest.skip("no transformers.loss (before 4.46)")
+    model = _encoder_decoder(name)
+    assert LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss  # the trap: "ForConditionalGeneration"
+    with tiny.quiet():
+        trainer = _trainer(model)
+    assert not probe_module.loss_shifts_labels(trainer)
