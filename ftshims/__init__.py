@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # ftshims/releases.py lists every release; pyproject.toml says the same
 
-__all__ = ["apply", "revert", "applied", "status", "summary", "ShimError", "__version__"]
+__all__ = ["apply", "revert", "applied", "status", "summary", "fingerprint", "ShimError", "__version__"]
 
 
-def apply(only=None, exclude=None, strict=False, include=None, options=None, propagate=False):
+def apply(only=None, exclude=None, strict=False, include=None, options=None, propagate=False, release=None):
     """Apply the shims whose bugs exist in the installed versions; return a report.
 
     only:    apply just these shim ids (speed shims listed here are included).
@@ -29,6 +29,11 @@ def apply(only=None, exclude=None, strict=False, include=None, options=None, pro
     propagate: also export this selection in ``FTSHIMS_AUTO`` so that child
              processes (torchrun ranks, spawned DataLoader workers) apply the
              same shims at start-up, through the ``ftshims-auto.pth`` hook.
+    release: apply only what that ftshims release applied (``"0.1"``):
+             shims added or changed since are left out and listed in
+             ``status()`` as newer than the pinned release, with what they
+             would fix. An unknown release is a ``ValueError``; naming a newer
+             shim in ``only``/``include`` under a pin is one too.
 
     Shim ids are case-insensitive and ``-`` stands for ``_``. Every setting
     (ids, option names and values, and the ``FTSHIMS_*`` variables the
@@ -43,9 +48,10 @@ def apply(only=None, exclude=None, strict=False, include=None, options=None, pro
     """
     from . import _manager
 
-    report = _manager.apply(only=only, exclude=exclude, strict=strict, include=include, options=options)
+    report = _manager.apply(only=only, exclude=exclude, strict=strict, include=include, options=options, release=release)
     if propagate:
-        _manager.export_to_children(only=only, exclude=exclude, strict=strict, include=include, options=options)
+        _manager.export_to_children(only=only, exclude=exclude, strict=strict, include=include, options=options,
+                                    release=release)
     return report
 
 
@@ -72,13 +78,28 @@ def summary() -> str:
     return _manager.summary_line()
 
 
+def fingerprint() -> dict:
+    """What the active shims compute, as a short stable hash plus the dict it hashes.
+
+    ``{"hash": "3f9c0a1b2c4d", "ftshims": "0.2.0", "release": None or the pin,
+    "versions": {distribution: version} that gate the active shims,
+    "shims": [{"id", "since": release, "options": {non-default options}}, ...]}``
+    (sorted by id).
+    Two runs with the same hash applied the same fixes; the monitor writes it
+    at train begin, the doctor's JSON carries it, ``FTSHIMS_SUMMARY=1`` prints it.
+    """
+    from . import _manager
+
+    return _manager.fingerprint()
+
+
 @contextlib.contextmanager
-def applied(only=None, exclude=None, strict=False, include=None, options=None):
+def applied(only=None, exclude=None, strict=False, include=None, options=None, release=None):
     """Apply shims for the duration of a ``with`` block, then revert the ones this call applied."""
     from . import _manager
 
     before = {entry.id for entry in _manager.status() if entry.active}
-    report = _manager.apply(only=only, exclude=exclude, strict=strict, include=include, options=options)
+    report = _manager.apply(only=only, exclude=exclude, strict=strict, include=include, options=options, release=release)
     newly = [entry.id for entry in report if entry.active and entry.id not in before]
     try:
         yield report

@@ -8,7 +8,8 @@ Then, for each registered shim, ``apply()`` decides, in this order:
 1. *disabled* — named in ``FTSHIMS_DISABLE`` (or it is ``*``), excluded, not in
    ``only``, or a ``speed`` shim nobody asked for;
 2. *not needed* — a required distribution is absent or outside the shim's
-   version range (read from metadata; nothing is imported);
+   version range (read from metadata; nothing is imported); a shim newer than
+   a pinned ``release`` is *disabled* here, with what it would fix;
 3. *deferred* — a module it patches is not imported yet: a post-import hook
    installs it the moment that module is imported;
 4. *applied* — installed now; or *target missing* (the target is absent or its
@@ -27,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from . import registry, settings
+from . import registry, releases, settings
 from ._util import actions_of, forget_actions
 from .foreign import foreign_origin, is_shim_wrapper
 from .imports import is_loaded, on_import, settle, wait_for_inflight_imports
@@ -86,10 +87,11 @@ def disabled_by_env() -> Set[str]:
     return settings.parse_disable()
 
 
-def selection(shim, only=None, exclude=None, include=None, versions=None, disabled=None):
+def selection(shim, only=None, exclude=None, include=None, versions=None, disabled=None, pinned=None):
     """``(status, reason)`` for a shim that is not active yet: DISABLED, NOT_NEEDED or None (selected).
 
     ``disabled``: the ids ``FTSHIMS_DISABLE`` names, when the caller has parsed it already.
+    ``pinned``: ``(as given, full release)`` of ``apply(release=...)``.
     """
     spec = shim.spec
     if spec.id in (disabled_by_env() if disabled is None else disabled):
@@ -106,7 +108,32 @@ def selection(shim, only=None, exclude=None, include=None, versions=None, disabl
     if mismatch:
         fixed = ", ".join(f"{k} {v}" for k, v in spec.fixed_in.items())
         return NOT_NEEDED, mismatch + (f" (fixed in {fixed})" if fixed else "")
+    if pinned and spec.since and releases.newer(spec.since, pinned[1]):
+        return DISABLED, newer_than_pin(spec, pinned[0])
     return None, "selected"
+
+
+def newer_than_pin(spec, given: str) -> str:
+    """The status reason of a shim left out by ``apply(release=...)``: the pin, its since-version, what it fixes."""
+    return f"newer than the pinned release {given} (ftshims {spec.since}); it would fix: {spec.title}"
+
+
+_PIN: List[Optional[Tuple[str, str]]] = [None]  # the last apply()'s release pin, for fingerprint()
+
+
+def _check_pin(release, only_set, include_set) -> Optional[Tuple[str, str]]:
+    """``(as given, full release)`` or None; ValueError when only/include name a shim the pinned release lacks."""
+    full = settings.check_release(release)
+    if full is None:
+        return None
+    given = str(release).strip()
+    named = (only_set or set()) | (include_set or set())
+    for shim_id in sorted(named):
+        spec = registry.shims()[shim_id].spec if shim_id in registry.shims() else None
+        if spec is not None and spec.since and releases.newer(spec.since, full):
+            raise ValueError(f"{shim_id} is newer than the pinned release {given} (ftshims {spec.since}): "
+                             "drop it from only=/include= or pin a newer release")
+    return given, full
 
 
 def _check_declared_targets(shim, versions) -> None:
@@ -237,9 +264,10 @@ def _activate(shim, record: _Record) -> None:
         record.cancels.append(on_import(name, on_module_imported))
 
 
-def apply(only=None, exclude=None, strict: bool = False, include=None, options=None) -> Report:
+def apply(only=None, exclude=None, strict: bool = False, include=None, options=None, release=None) -> Report:
     """Apply every fix shim whose target versions are installed. See ``ftshims.apply``."""
     only_set, exclude_set, include_set, options = settings.check_arguments(only, exclude, include, options)
+    pinned = _check_pin(release, only_set, include_set)
     disabled = settings.parse_disable()
     _print_summary_at_exit()  # checks FTSHIMS_SUMMARY, before anything is installed
     waited = set()
@@ -254,9 +282,10 @@ def apply(only=None, exclude=None, strict: bool = False, include=None, options=N
                 continue  # idempotent: an active shim is left exactly as it is
             if only_set is not None and shim.id not in only_set and record.reason != _Record.reason:
                 continue  # a narrowed call leaves the other shims' last decision alone
-            skip, reason = selection(shim, only_set, exclude_set, include_set, disabled=disabled)
+            skip, reason = selection(shim, only_set, exclude_set, include_set, disabled=disabled, pinned=pinned)
             chosen = None if skip else settings.shim_options(shim.spec, options.get(shim.id, {}), os.environ)
             plan.append((shim, record, skip, reason, chosen))
+        _PIN[0] = pinned
         for shim, record, skip, reason, chosen in plan:
             if skip is not None:
                 if (record.status, record.reason) != (skip, reason):
@@ -334,7 +363,40 @@ def summary_line() -> str:
     text += "; acted: " + "; ".join(did) if did else "; none has acted yet"
     if idle and did:
         text += f"; not needed so far: {', '.join(idle)}"
-    return text
+    return text + f"; fingerprint {fingerprint(report)['hash']}"
+
+
+def fingerprint(report: Optional[Report] = None) -> Dict[str, Any]:
+    """See ``ftshims.fingerprint``: the active shims, their since-versions and non-default options, the gating
+    versions and ftshims' version, hashed (sha256 of the canonical JSON, 12 hex digits)."""
+    import hashlib
+    import json
+
+    from . import __version__
+
+    report = status() if report is None else report
+    shims: List[Dict[str, Any]] = []
+    gating: Set[str] = set()
+    with LOCK:
+        for entry in report:
+            shim = registry.shims().get(entry.id)
+            if not entry.active or shim is None:
+                continue
+            spec = shim.spec
+            record = _RECORDS.get(entry.id)
+            chosen = record.options if record is not None else {}
+            changed = {k: v for k, v in sorted(chosen.items()) if spec.options.get(k) != v}
+            shims.append({"id": entry.id, "since": spec.since, "options": changed})
+            gating.update(spec.requires)
+    pinned = _PIN[0]
+    body = {
+        "ftshims": __version__,
+        "release": pinned[1] if pinned else None,
+        "versions": {name: version for name, version in sorted(installed_versions(tuple(sorted(gating))).items())},
+        "shims": sorted(shims, key=lambda shim: shim["id"]),
+    }
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return {"hash": digest, **body}
 
 
 _SUMMARY_AT_EXIT = []

@@ -174,7 +174,11 @@ def _ranges(spec) -> str:
 def _fixed(spec) -> str:
     if spec.kind == "speed":
         return "n/a (speed)"
-    return "<br>".join(f"{name} {version}" for name, version in spec.fixed_in.items()) or "unfixed upstream"
+    fixed = "<br>".join(f"{name} {version}" for name, version in spec.fixed_in.items())
+    if fixed:
+        return fixed
+    report = verdicts.upstream_report(spec)
+    return f"unfixed upstream ([reproduction]({report}))" if report else "unfixed upstream"
 
 
 def _refs(spec) -> str:
@@ -233,13 +237,16 @@ def render() -> str:
         "`speed` shims only when asked for (`include=[...]`). Ranges are PEP 440 specifiers evaluated with",
         "pre-releases included.",
         "",
-        "| shim | kind | where the bug exists, ftshims | affected versions | fixed in | symptom | upstream |",
-        "|---|---|---|---|---|---|---|",
+        "`since` is the ftshims release that added the shim, or last changed what it computes",
+        "(`ftshims.apply(release=...)` leaves out newer ones; CHANGELOG.md says which change training numerics).",
+        "",
+        "| shim | kind | since | where the bug exists, ftshims | affected versions | fixed in | symptom | upstream |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for shim in shims.values():
         spec = shim.spec
         lines.append(
-            f"| `{spec.id}` | {spec.kind} | {_md(_delivers(spec))} | {_ranges(spec)} | {_fixed(spec)} | "
+            f"| `{spec.id}` | {spec.kind} | {spec.since} | {_md(_delivers(spec))} | {_ranges(spec)} | {_fixed(spec)} | "
             f"{_md(spec.symptom)} | {_refs(spec)} |"
         )
     lines += ["", "## Verified on pinned stacks", ""]
@@ -275,6 +282,11 @@ def render() -> str:
         if spec.options:
             lines.append("")
             lines.append("Options: " + ", ".join(f"`{k}` (default `{v!r}`)" for k, v in spec.options.items()))
+        if spec.backports:
+            lines += ["", "Backports: " + ", ".join(spec.backports) + ". Follow-ups: " + (
+                "; ".join(_md(f.statement) for f in spec.follow_ups) or _md(spec.follow_ups_checked))]
+        if spec.unpinned:
+            lines += ["", "No pinned stack: " + _md(spec.unpinned)]
         lines += [""]
     lines += ["## Popular claims that turned out false", ""]
     for claim in datafiles.claims():

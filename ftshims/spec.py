@@ -144,6 +144,12 @@ class ShimSpec:
     unpinned: str = ""
 
     @property
+    def changes_numerics(self) -> bool:
+        """Whether applying it changes what a run computes where its bug exists (CHANGELOG.md marks it so):
+        a fix does; a guard (a clear error instead of corruption), a warning and a speed shim do not."""
+        return self.kind != SPEED and self.effect == "fixes"
+
+    @property
     def by_default(self) -> bool:
         """Whether ``apply()`` installs the shim without being asked: only ``fix`` shims are."""
         return self.kind == FIX

@@ -42,3 +42,16 @@ def delivered(spec) -> str:
     if spec.effect == EFFECT_WARNS:
         return WARNED
     return FIXED_ON_STAND_IN if spec.stand_in else FIXED
+
+
+UPSTREAM_REPORTS = "docs/upstream"  # in the ftshims repository: one upstream-ready reproduction per unfixed bug
+
+
+def unfixed_upstream(spec) -> bool:
+    """A bug no upstream release has fixed (``fixed_in`` empty); speed shims fix no bug."""
+    return spec.kind != "speed" and not spec.fixed_in
+
+
+def upstream_report(spec) -> str:
+    """``docs/upstream/<id>.md`` for a bug unfixed upstream (the repository's upstream-ready reproduction), else ``""``."""
+    return f"{UPSTREAM_REPORTS}/{spec.id}.md" if unfixed_upstream(spec) else ""

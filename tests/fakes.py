@@ -87,6 +87,7 @@ class FakeWorld:
         kind: str = "fix",
         options: Optional[dict] = None,
         choices: Optional[dict] = None,
+        since: str = "",
     ) -> registry.Shim:
         module = types.ModuleType(f"fake_shim_{shim_id}")
         module.SPEC = ShimSpec(
@@ -102,6 +103,7 @@ class FakeWorld:
             kind=kind,
             options=options or {},
             choices=choices or {},
+            since=since,
         )
         module.install = install
         shim = registry.Shim(module.SPEC, module)

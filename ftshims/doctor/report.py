@@ -109,6 +109,7 @@ class TrialSection:
     mode: Optional[str] = None
     imports: List[Dict[str, Any]] = field(default_factory=list)
     seconds: Optional[float] = None
+    fingerprint: Dict[str, Any] = field(default_factory=dict)  # ftshims.fingerprint() of the trial apply()
 
 
 @dataclass
@@ -261,7 +262,8 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
             else:
                 trial = steps.run("trial", lambda: run_trial(options.trial_imports))
             if trial is not None:
-                report.trial = TrialSection(mode=trial["mode"], imports=trial["imports"], seconds=trial["seconds"])
+                report.trial = TrialSection(mode=trial["mode"], imports=trial["imports"], seconds=trial["seconds"],
+                                            fingerprint=trial.get("fingerprint") or {})
                 report.shims = steps.run("shims", lambda: shim_rows(trial, options.trial_imports), [])
             else:
                 report.trial.mode = "failed; statuses from version gating only"

@@ -72,7 +72,7 @@ def _import(module_name: str) -> Dict[str, Any]:
 
 
 def run_trial(trial_imports: bool = True) -> Dict[str, Any]:
-    """``{"mode", "imports", "statuses", "notes", "seconds"}``: apply, import, read status, revert."""
+    """``{"mode", "imports", "statuses", "notes", "fingerprint", "seconds"}``: apply, import, read status, revert."""
     from .. import _manager
 
     start = time.perf_counter()
@@ -96,6 +96,7 @@ def run_trial(trial_imports: bool = True) -> Dict[str, Any]:
                 imports = [_import(name) for name in wanted]
             final = _manager.status()
             notes = {entry.id: list(_manager.notes(entry.id)) for entry in final}
+            fingerprint = _manager.fingerprint(final)  # what apply() would record with a run of this environment
         finally:
             newly = [entry.id for entry in _manager.status() if entry.active and entry.id not in before]
             if newly:
@@ -113,6 +114,7 @@ def run_trial(trial_imports: bool = True) -> Dict[str, Any]:
         "imports": imports,
         "statuses": {entry.id: entry for entry in final},
         "notes": notes,
+        "fingerprint": fingerprint,
         "seconds": round(time.perf_counter() - start, 3),
     }
 
@@ -162,6 +164,9 @@ def shim_rows(trial: Dict[str, Any], trial_imports: bool) -> List[Dict[str, Any]
                 "symptom": spec.symptom,
                 "requires": dict(spec.requires),
                 "fixed_in": dict(spec.fixed_in),
+                "since": spec.since,
+                "upstream_report": verdicts.upstream_report(spec) or None,
+                "follow_ups": [f.statement for f in spec.follow_ups] or ([spec.follow_ups_checked] if spec.follow_ups_checked else []),
                 "refs": list(spec.refs),
                 "versions": versions,
                 "affected": affected,

@@ -25,6 +25,7 @@ def test_checklist(shim_id):
     module_file = ROOT / "ftshims" / "shims" / f"{shim_id}.py"
     assert module_file.is_file(), f"one shim per file: {module_file}"
     assert (shim.module.__doc__ or "").strip(), f"{shim_id}: the module docstring says why, when, how it falls back"
+    assert shim.spec.since, f"{shim_id}: since= names the ftshims release that added it or changed what it computes"
     assert list(inspect.signature(shim.module.install).parameters) == ["patcher", "options"]
     assert (ROOT / "tests" / "shims" / f"test_{shim_id}.py").is_file(), f"{shim_id}: tests/shims/test_{shim_id}.py"
     assert shim_id in matrix.load_verified()["shims"], f"{shim_id}: no evidence in verified.json (record a matrix run)"
