@@ -12,8 +12,10 @@ HF "pref-tuning" blog erratum) passes ``average_log_prob=self.loss_type == "ipo"
 trl#1677; TRL has defined TRL's IPO by the average ever since, and this shim makes 0.7.5-0.7.10 agree with that
 definition, so that a beta tuned on any later TRL means the same thing here.)
 
-The fix, exactly 0.7.11's: wrap ``DPOTrainer.concatenated_forward`` and, for a trainer whose ``loss_type`` is
-``"ipo"``, make the ``DPOTrainer.get_batch_logps`` call inside it average (``average_log_prob=True``). The two
+The fix, 0.7.11's: wrap ``DPOTrainer.concatenated_forward`` and, for a trainer whose ``loss_type`` is
+``"ipo"``, make the ``DPOTrainer.get_batch_logps`` call inside it average: its sums divided by the number of
+scored labels, counted as ``get_batch_logps`` counts them, which is ``average_log_prob=True`` bit for bit except
+for a completion with no scored label (see Follow-ups). The two
 wraps talk through a ``ContextVar`` set only for the duration of that one ``concatenated_forward`` call, so
 concurrent trainers in other threads (or a sigmoid trainer nested inside) are not affected, and nothing is
 written on the trainer. Policy *and* reference log-probs go through ``concatenated_forward`` (also when
@@ -29,6 +31,15 @@ Applies to trl >=0.7.5,<0.7.11 (0.7.4 has no ``loss_type`` at all). Fallback: a 
 ``get_batch_logps(logits, labels, average_log_prob, ...)`` or ``concatenated_forward(model, batch)`` is skipped
 (target missing). Precomputed reference log-probs stored in a dataset by an unshimmed run are sums and are used
 as they are: recompute them with the shim applied.
+
+Follow-ups: trl#1033 (the per-token average of a completion with no scored label is 0/0 = NaN, which makes
+the loss and every gradient NaN; TRL 0.29.0 divides by clamp(count, min=1)) — carried. In 0.7.5-0.7.10 every
+response ends in EOS, so an empty completion needs max_prompt_length >= max_length (truncation cuts every
+response away) or a custom collator; the summed version gave such a row 0, 0.7.11 gives NaN, this shim (since
+ftshims 0.2.0) gives 0 as TRL 0.29.0 does. The IPO branch read in trl 0.7.11, 0.8.0, 0.8.6, 0.9.6, 0.12.0,
+0.23.1-0.28.0 and 0.29.1-1.16.0: IPO keeps the per-token average throughout (0.9: / size_completion;
+0.12-0.28: / loss_mask.sum(-1); 0.29+: / clamp(min=1)); trl#1677 questions the average, and TRL kept it
+(1.16.0: confirmed with the IPO authors).
 """
 
 from __future__ import annotations
@@ -41,17 +52,18 @@ import sys
 import typing
 
 from .._util import acted, warn_once
-from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from ..spec import FollowUp, Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="trl_ipo_summed_logps",
-    since="0.1.0",
+    since="0.2.0",
     title="DPOTrainer's IPO loss uses summed instead of length-averaged log-probs",
     symptom='DPOTrainer(loss_type="ipo") compares the summed completion log-prob margin with 1/(2*beta): the '
     "effective beta depends on completion length, and betas tuned on TRL >=0.7.11 mean something else",
     why="TRL 0.7.5-0.7.10 feed IPO's squared loss (logits - 1/(2*beta))**2 with summed sequence log-probs; TRL "
-    "0.7.11 averages them over the completion's tokens for IPO only. The shim makes the IPO path average, exactly "
-    "as 0.7.11 does, and leaves the other loss types untouched.",
+    "0.7.11 averages them over the completion's tokens for IPO only. The shim makes the IPO path average as 0.7.11 "
+    "does (a completion with no scored label gives 0, not NaN, as in 0.29.0) and leaves the other loss types "
+    "untouched.",
     requires={"trl": ">=0.7.5,<0.7.11"},
     fixed_in={"trl": "0.7.11"},
     refs=(
@@ -59,7 +71,18 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/trl/pull/1022",
         "https://github.com/huggingface/blog/pull/1785",
         "https://github.com/huggingface/trl/issues/1677",
+        "https://github.com/huggingface/trl/issues/1033",
     ),
+    backports=("https://github.com/huggingface/trl/pull/1265",),
+    follow_ups=(
+        FollowUp("https://github.com/huggingface/trl/issues/1033", "the per-token average of a completion with no "
+                 "scored label is 0/0 = NaN, which makes the loss and every gradient NaN; TRL 0.29.0 divides by "
+                 "clamp(count, min=1)", carried=True),
+    ),
+    follow_ups_checked="The IPO branch read in trl 0.7.11, 0.8.0, 0.8.6, 0.9.6, 0.12.0, 0.23.1-0.28.0 and "
+    "0.29.1-1.16.0: IPO keeps the per-token average throughout (0.9: / size_completion; 0.12-0.28: / "
+    "loss_mask.sum(-1); 0.29+: / clamp(min=1)); trl#1677 questions the average, and TRL kept it (1.16.0: confirmed "
+    "with the IPO authors).",
     targets=(
         Target("trl.trainer.dpo_trainer", "DPOTrainer.concatenated_forward", params=("model", "batch")),
         Target("trl.trainer.dpo_trainer", "DPOTrainer.get_batch_logps", params=("logits", "labels", "average_log_prob")),
@@ -96,7 +119,7 @@ def install(patcher, options) -> None:
     params = list(inspect.signature(own["get_batch_logps"].__func__).parameters)
     if params[:3] != ["logits", "labels", "average_log_prob"]:
         raise TargetMissing(f"DPOTrainer.get_batch_logps{tuple(params)}: not (logits, labels, average_log_prob, ...)")
-    position = params.index("average_log_prob")
+    signature = inspect.signature(own["get_batch_logps"].__func__)
 
     def concatenated_forward(wrapped, instance, args, kwargs):
         average = getattr(instance, "loss_type", None) == "ipo"
@@ -116,15 +139,24 @@ def install(patcher, options) -> None:
     def get_batch_logps(wrapped, instance, args, kwargs):
         if not _AVERAGE.get():
             return wrapped(*args, **kwargs)
-        # TRL passes average_log_prob=False by keyword; accept it by position too, and leave an explicit True alone.
-        if len(args) > position:
-            if not args[position]:
-                args = args[:position] + (True,) + args[position + 1:]
-                acted(SPEC.id, "IPO log-probs averaged")
-        elif not kwargs.get("average_log_prob", False):
-            kwargs = dict(kwargs, average_log_prob=True)
-            acted(SPEC.id, "IPO log-probs averaged")
-        return wrapped(*args, **kwargs)
+        try:
+            call = signature.bind(*args, **kwargs)
+        except TypeError:
+            return wrapped(*args, **kwargs)  # upstream's own error for a call it cannot take
+        call.apply_defaults()
+        if call.arguments["average_log_prob"]:
+            return wrapped(*args, **kwargs)  # an explicit True (TRL passes False) is left to the caller
+        # TRL computes the sums; divide them by the number of scored labels, counted as get_batch_logps counts them
+        # (labels shifted by one for decoder-only models). That is 0.7.11's average_log_prob=True bit for bit, except
+        # that a completion with no scored label gives its sum, 0, instead of 0/0 = NaN (trl#1033): TRL 0.29.0
+        # divides by clamp(min=1) the same way.
+        summed = wrapped(*args, **kwargs)
+        labels = call.arguments["labels"]
+        if not call.arguments.get("is_encoder_decoder", False):
+            labels = labels[:, 1:]
+        scored = (labels != call.arguments.get("label_pad_token_id", -100)).sum(-1)
+        acted(SPEC.id, "IPO log-probs averaged")
+        return summed / scored.clamp(min=1).to(summed.device)
 
     patcher.wrap(cls, "concatenated_forward", concatenated_forward)
     patcher.wrap(cls, "get_batch_logps", get_batch_logps)

@@ -97,3 +97,29 @@ def test_subclass_overriding_get_batch_logps_is_left_alone(dpo, monkeypatch, cap
     assert seen and not any(seen)
     assert torch.equal(plain[0], shimmed[0]) and torch.equal(plain[1], shimmed[1])
     assert any("overrides get_batch_logps" in r.getMessage() for r in caplog.records)
+
+
+def test_completion_without_scored_label_is_not_nan(dpo):
+    """A completion whose labels are all masked (max_prompt_length >= max_length truncates responses away) sums to 0;
+    0.7.11's average is 0/0 = NaN and makes the loss and every gradient NaN. The shim divides by clamp(count, 1)
+    as TRL 0.29.0 does (trl#1033): that row stays 0, every other row keeps 0.7.11's average bit for bit."""
+    trainer, batch = dpo
+    batch = dict(batch, chosen_labels=batch["chosen_labels"].clone())
+    batch["chosen_labels"][0] = trainer.label_pad_token_id
+    plain = _run(trainer, batch)
+    assert plain[0][0] == 0 and torch.isfinite(plain[2])  # summed: 0, finite (the bug is the other rows' scale)
+    with ftshims.applied(only=[SHIM]):
+        chosen, rejected, loss, _ = _run(trainer, batch)
+        trainer.model.zero_grad()
+        trainer.get_batch_loss_metrics(trainer.model, batch)[0].backward()
+    assert chosen[0] == 0 and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
+    cat = trainer.concatenated_inputs(batch, is_encoder_decoder=False, label_pad_token_id=trainer.label_pad_token_id,
+                                      padding_value=trainer.padding_value, device=trainer.accelerator.device)
+    with torch.no_grad():
+        logits = trainer.model(cat["concatenated_input_ids"], attention_mask=cat["concatenated_attention_mask"]).logits
+        expected = trainer.get_batch_logps(logits, cat["concatenated_labels"], average_log_prob=True,
+                                           is_encoder_decoder=False, label_pad_token_id=trainer.label_pad_token_id)
+    n = batch["chosen_labels"].shape[0]
+    assert torch.isnan(expected[0])  # 0.7.11's formula on this batch
+    assert torch.equal(chosen[1:], expected[1:n]) and torch.equal(rejected, expected[n:])
