@@ -25,6 +25,13 @@ Applies to transformers >=4.38.0,<4.39 (fixed in 4.39.0). Under
 trace): compiled static-cache generation sizes the buffer itself
 (``_setup_cache``). Falls back: classes without the buffer or
 ``_update_causal_mask`` are left alone.
+
+Follow-ups: none that apply. The shim's fix differs from 4.39.0's (#29263 / #29753): it keeps
+4.38's causal_mask buffer and regrows it by 4.38's own doubling rule until it covers cached plus
+new tokens, where 4.39.0 drops the buffer and builds the mask at the needed size.
+_update_causal_mask of LlamaModel and GemmaModel read in 4.39.0-4.39.3 and 4.40.0: 4.39.3 only
+changes the static-cache test (layers without self_attn) and 4.40.0 rewrites the function; neither
+touches a 4.38.x code path.
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/transformers/pull/29263",
         "https://github.com/huggingface/transformers/pull/29753",
     ),
+    backports=(
+        "https://github.com/huggingface/transformers/pull/29263",
+        "https://github.com/huggingface/transformers/pull/29753",
+    ),
+    follow_ups_checked="_update_causal_mask of LlamaModel and GemmaModel read in 4.39.0-4.39.3 and 4.40.0: 4.39.3 "
+    "only changes the static-cache test (layers without self_attn) and 4.40.0 rewrites the function; neither "
+    "touches a 4.38.x code path.",
     targets=(
         Target("transformers.models.llama.modeling_llama", "LlamaModel.forward", params=("input_ids", "cache_position")),
         Target("transformers.models.llama.modeling_llama", "LlamaModel._update_causal_mask"),

@@ -24,6 +24,10 @@ Applies to transformers >=4.30 (the lowest release read). Passes through when ``
 not the EOS id (or either is unset), and when the real positions cannot be told (no attention mask and examples
 that are not sequences of ids). Fallback: if ``DataCollatorForLanguageModeling.torch_call`` is missing the shim
 is skipped.
+
+Follow-ups: none. The rule this shim carries over is TRL's (trl#3200, 0.16.1): padding masked by position.
+TRL's DataCollatorForLanguageModeling read in 0.16.1, 0.23.1, 1.0.0, 1.9.0 and 1.16.0: labels are still
+padded with -100 by position, never masked by value; transformers' collator still masks by value in 5.25.0.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/trl/issues/976",
         "https://github.com/huggingface/trl/pull/3200",
     ),
+    backports=("https://github.com/huggingface/trl/pull/3200",),
+    follow_ups_checked="TRL's DataCollatorForLanguageModeling read in 0.16.1, 0.23.1, 1.0.0, 1.9.0 and 1.16.0: "
+    "labels are still padded with -100 by position, never masked by value; transformers' collator still masks by "
+    "value in 5.25.0.",
     targets=(Target("transformers.data.data_collator", "DataCollatorForLanguageModeling.torch_call"),),
     modules=("transformers.data.data_collator",),
     kind=OPT_IN,

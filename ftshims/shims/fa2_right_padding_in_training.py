@@ -54,6 +54,12 @@ Flash attention needs a GPU: the CPU tests run transformers' real flash
 attention code with the pure-PyTorch stand-in kernels of
 :mod:`ftshims.shims.flash_attn_packing` in place of flash-attn. Under
 ``torch.compile`` the wrapper passes through (the padding test reads values).
+
+Follow-ups: none that apply. The fix carried is TRL's (trl#1290: use_cache=False for training forwards);
+upstream transformers fixed it differently: 4.53.0 (the masking_utils rewrite) dropped the check for most
+families and 5.0.0 for Qwen2-MoE and PhiMoE (FAMILIES above, read in the wheels), while this shim keeps the
+check for generation. TRL's trainers still pass use_cache=False (trl 1.16.0 dpo_trainer.py); no regression
+report against the workaround found.
 """
 
 from __future__ import annotations
@@ -104,6 +110,11 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/trl/pull/1290",
         "https://github.com/huggingface/trl/issues/3034",
     ),
+    backports=("https://github.com/huggingface/trl/pull/1290",),
+    follow_ups_checked="upstream transformers fixed it differently: 4.53.0 (the masking_utils rewrite) dropped the "
+    "check for most families and 5.0.0 for Qwen2-MoE and PhiMoE (FAMILIES above, read in the wheels), while this "
+    "shim keeps the check for generation. TRL's trainers still pass use_cache=False (trl 1.16.0 dpo_trainer.py); no "
+    "regression report against the workaround found.",
     targets=tuple(
         Target(module, f"{cls}.forward", params=PARAMS, when=checked) for module, cls, checked in FAMILIES.values()
     ),

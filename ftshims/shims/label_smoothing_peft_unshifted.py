@@ -36,6 +36,11 @@ smoothing, a ``compute_loss_func``, a custom ``label_smoother`` that is not a ``
 that override ``compute_loss`` without calling it, and logits longer than the labels: prompt tuning and
 p-tuning prepend virtual tokens to the sequence, so label smoothing fails there with a shape error, shifted
 or not (a separate upstream limitation this shim leaves as it is).
+
+Follow-ups: none. The backport is #27162 (LoRA-style adapters on 4.21-4.35); Trainer.compute_loss read in
+4.36.0, 4.46.3, 4.57.6, 5.0.0, 5.9.0, 5.16.1, 5.24.0 and 5.25.0: the name #27162 reads for a PeftModel
+(base_model.model) is unchanged, and with it the prompt-learning case it broke, which this shim fixes too;
+5.15 passes num_items_in_batch to the LabelSmoother, which the shim passes on unchanged.
 """
 
 from __future__ import annotations
@@ -67,6 +72,11 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/transformers/pull/25044",
         "https://github.com/huggingface/transformers/pull/17987",
     ),
+    backports=("https://github.com/huggingface/transformers/pull/27162",),
+    follow_ups_checked="Trainer.compute_loss read in 4.36.0, 4.46.3, 4.57.6, 5.0.0, 5.9.0, 5.16.1, 5.24.0 and "
+    "5.25.0: the name #27162 reads for a PeftModel (base_model.model) is unchanged, and with it the prompt-learning "
+    "case it broke, which this shim fixes too; 5.15 passes num_items_in_batch to the LabelSmoother, which the shim "
+    "passes on unchanged.",
     targets=(
         Target("transformers.trainer", "Trainer.compute_loss", params=("model", "inputs")),
         Target("transformers.trainer_pt_utils", "LabelSmoother.__call__",

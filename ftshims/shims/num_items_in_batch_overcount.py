@@ -29,8 +29,8 @@ Fallback: models whose loss does not shift labels (classification, masked LM,
 encoder-decoders, custom ``compute_loss_func`` on a model without
 ``loss_type``) and batches whose labels are not tensors pass through unchanged.
 
-Follow-ups: #46903 (encoder-decoders) — carried. ``"ForConditionalGeneration"``
-maps to ``ForCausalLMLoss`` too, so #46204 alone also counted T5, BART,
+Follow-ups: #46903 (encoder-decoders counted over all labels, 5.15.0) — carried.
+``"ForConditionalGeneration"`` maps to ``ForCausalLMLoss`` too, so #46204 alone also counted T5, BART,
 Whisper, Florence2 ... over ``labels[..., 1:]``, although their decoders score
 every label (``decoder_input_ids`` are the labels shifted right): one target
 lost per row (5.10.1-5.14.1 upstream, and this shim in ftshims 0.1.0: T5 with a

@@ -23,6 +23,12 @@ drops the trained copies and returns the original, still tied, model.
 
 Applies to peft <0.19.0 (every release before the fix; LoRA adapters). Fallback: if ``LoraModel`` has no
 ``merge_and_unload`` the shim is skipped.
+
+Follow-ups: none. BaseTuner._unload_and_optionally_merge read in peft 0.19.0, 0.19.1,
+0.20.0 and 0.21.2: the untie check 0.19.0 added is unchanged (0.21 only changed which
+modules are visited); proposals at the same place were closed unmerged (peft#2972,
+untie on merge; transformers#45136 and #45156, untie on save). The shim also clears
+the flag on a separate text config, which 0.19.0 does not touch.
 """
 
 from __future__ import annotations
@@ -48,7 +54,12 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/peft/issues/2777",
         "https://github.com/huggingface/transformers/issues/45127",
         "https://github.com/huggingface/peft/pull/2025",
+        "https://github.com/huggingface/peft/releases/tag/v0.19.0",
     ),
+    backports=("https://github.com/huggingface/peft/releases/tag/v0.19.0",),
+    follow_ups_checked="BaseTuner._unload_and_optionally_merge read in peft 0.19.0, 0.19.1, 0.20.0 and 0.21.2: the "
+    "untie check 0.19.0 added is unchanged (0.21 only changed which modules are visited); proposals at the same "
+    "place were closed unmerged (peft#2972, untie on merge; transformers#45136 and #45156, untie on save).",
     targets=(Target("peft.tuners.lora", "LoraModel.merge_and_unload"),),
     modules=("peft.tuners.lora",),
 )

@@ -17,6 +17,13 @@ Applies to transformers >=4.30,<4.36 (reproduced on 4.30.2 and 4.34.1; the same
 code, without the flag copy, is in the 4.20–4.35 sources). Fallback: if the
 method is missing the shim is skipped; models without output embeddings only
 get their input embeddings' flags restored.
+
+Follow-ups: none. PreTrainedModel._get_resized_embeddings and _get_resized_lm_head
+read in 4.36.0, 4.40.0, 4.49.0, 4.53.3, 4.57.6, 5.0.0, 5.9.0, 5.16.1, 5.24.0 and
+5.25.0: the requires_grad copy #26865 added is unchanged; no revert or regression
+report against it found. (Upstream copies the weight's flag onto the whole new
+module; the shim restores each parameter's own flag, the same for the usual
+weight-only embeddings.)
 """
 
 from __future__ import annotations
@@ -38,6 +45,10 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/transformers/issues/26861",
         "https://github.com/huggingface/transformers/pull/26865",
     ),
+    backports=("https://github.com/huggingface/transformers/pull/26865",),
+    follow_ups_checked="PreTrainedModel._get_resized_embeddings and _get_resized_lm_head read in 4.36.0, 4.40.0, "
+    "4.49.0, 4.53.3, 4.57.6, 5.0.0, 5.9.0, 5.16.1, 5.24.0 and 5.25.0: the requires_grad copy #26865 added is "
+    "unchanged; no revert or regression report against it found.",
     targets=(Target("transformers.modeling_utils", "PreTrainedModel.resize_token_embeddings"),),
     modules=("transformers.modeling_utils",),
 )

@@ -31,6 +31,13 @@ skipped; a model whose base model is itself, or whose base model's output is
 not a tensor-first output, passes through. Inside a ``torch.compile`` trace
 the rewrite runs for every row with a pad before its last token, without the
 data-dependent check.
+
+Follow-ups: none that change the pooled token. The rightmost-non-pad index #35911
+added was read in 4.49.0, 4.50.3, 4.53.3, 4.56.2 and 4.57.6 (modeling_layers.py in the
+4.56.2 and later wheels), 5.0.0, 5.9.0, 5.16.1, 5.24.0 and 5.25.0: unchanged except that 4.50 builds the
+index range as int32 (the same index) and 5.x reads pad_token_id from
+config.get_text_config() (composite configs; every family this shim wraps keeps it
+on its top-level config); no revert or regression report against #35911 found.
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/transformers/issues/30004",
         "https://github.com/huggingface/transformers/pull/35911",
     ),
+    backports=("https://github.com/huggingface/transformers/pull/35911",),
+    follow_ups_checked="The rightmost-non-pad index #35911 added was read in 4.49.0, 4.50.3, 4.53.3, 4.56.2 and "
+    "4.57.6 (modeling_layers.py in the 4.56.2 and later wheels), 5.0.0, 5.9.0, 5.16.1, 5.24.0 and 5.25.0: "
+    "unchanged except that 4.50 builds the index range as int32 (the same index) and 5.x reads pad_token_id from "
+    "config.get_text_config() (composite configs; every family this shim wraps keeps it on its top-level config); "
+    "no revert or regression report against #35911 found.",
     targets=(
         Target("transformers.models.llama.modeling_llama", "LlamaForSequenceClassification.forward",
                params=("input_ids",)),

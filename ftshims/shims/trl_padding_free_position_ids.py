@@ -24,6 +24,16 @@ and the ``packing_block_mask`` shim does it for every other case.
 
 Applies to trl >=0.19,<0.23.1. Fallback: a collator whose class lacks
 ``padding_free``/``return_position_ids`` is skipped (target missing).
+
+Follow-ups: https://github.com/huggingface/trl/blob/v1.16.0/trl/trainer/sft_trainer.py
+(padding-free batches also carry cu_seq_lens_q/k, max_length_q/k and seq_idx for varlen and
+linear-attention kernels) — not carried: a later addition for those kernels, not part of
+0.23.1's fix; the shim emits 0.23.1's batch, and linear-attention models were not isolated by
+0.23.1-1.15 either. Otherwise none: DataCollatorForLanguageModeling.torch_call read in trl
+0.23.1, 0.24.0-0.29.1 (identical), 1.0.0, 1.4.0, 1.9.0 and 1.16.0: per-example position_ids,
+no attention_mask and labels[position_ids == 0] = -100 for padding-free batches are
+unchanged; 1.0-1.4 truncate in the collator (dropped in 1.9) and 1.11 adds position_ids
+beside the mask for return_position_ids without padding-free, neither a padding-free change.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import logging
 import sys
 
 from .._util import acted, warn_once
-from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from ..spec import FollowUp, Observation, ProbeUnsupported, ShimSpec, Target
 
 log = logging.getLogger("ftshims")
 
@@ -50,7 +60,21 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/trl/pull/3521",
         "https://github.com/huggingface/trl/pull/3526",
         "https://github.com/huggingface/transformers/pull/46634",
+        "https://github.com/huggingface/trl/releases/tag/v0.23.1",
+        "https://github.com/huggingface/trl/blob/v1.16.0/trl/trainer/sft_trainer.py",
     ),
+    backports=("https://github.com/huggingface/trl/releases/tag/v0.23.1",),
+    follow_ups=(
+        FollowUp("https://github.com/huggingface/trl/blob/v1.16.0/trl/trainer/sft_trainer.py",
+                 "padding-free batches also carry cu_seq_lens_q/k, max_length_q/k and seq_idx for varlen and "
+                 "linear-attention kernels", carried=False,
+                 reason="a later addition for those kernels, not part of 0.23.1's fix; the shim emits 0.23.1's "
+                 "batch, and linear-attention models were not isolated by 0.23.1-1.15 either"),
+    ),
+    follow_ups_checked="DataCollatorForLanguageModeling.torch_call read in trl 0.23.1, 0.24.0-0.29.1 (identical), "
+    "1.0.0, 1.4.0, 1.9.0 and 1.16.0: per-example position_ids, no attention_mask and labels[position_ids == 0] = "
+    "-100 for padding-free batches are unchanged; 1.0-1.4 truncate in the collator (dropped in 1.9) and 1.11 adds "
+    "position_ids beside the mask for return_position_ids without padding-free, neither a padding-free change.",
     targets=(Target("trl.trainer.sft_trainer", "DataCollatorForLanguageModeling.torch_call"),),
     modules=("trl.trainer.sft_trainer",),
 )
