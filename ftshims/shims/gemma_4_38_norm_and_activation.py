@@ -56,6 +56,15 @@ to the model dtype (4.39.0 lines 901-904). That multiplication sits inline in
 ``GemmaModel.forward`` and cannot be reproduced bit-exactly without rewriting
 the whole forward, so 4.38.x + this shim still scales bf16 embeddings by
 ``sqrt(h)`` rather than by its bf16 rounding (for 3072: 55.43 instead of 55.5).
+
+Follow-ups: #35235 (4.48.0's modular rewrite makes GemmaMLP read hidden_act again: exact GELU for
+hidden_act='gelu' on 4.48.0-5.17.x) — not carried: outside this shim's range (4.38.x); the doctor's
+advisory gemma_hidden_act_gelu_exact_regression covers those versions (and the shim
+gemma_hidden_act_gelu_regression fixes them). https://github.com/huggingface/transformers/blob/v5.18.0/src/transformers/models/gemma/configuration_gemma.py
+(5.18.0's GemmaConfig maps hidden_act='gelu' to 'gelu_pytorch_tanh' and leaves other values alone) —
+carried: it is the rule this shim applies when hidden_activation is unset. GemmaRMSNorm read in
+4.39.0-4.39.3, 4.40.0, 4.49.0, 4.53.3, 4.56.2, 4.57.6, 5.0.0, 5.9.0, 5.16.1, 5.24.0 and 5.25.0: the
+float32 norm #29402 added is unchanged.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ import logging
 import sys
 
 from .._util import acted, warn_once
-from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from ..spec import FollowUp, Observation, ProbeUnsupported, ShimSpec, Target
 
 MODULE = "transformers.models.gemma.modeling_gemma"
 
@@ -85,7 +94,21 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/transformers/pull/29995",
         "https://github.com/google/gemma_pytorch/pull/37",
         "https://github.com/vllm-project/vllm/issues/3411",
+        "https://github.com/huggingface/transformers/pull/35235",
+        "https://github.com/huggingface/transformers/blob/v5.18.0/src/transformers/models/gemma/configuration_gemma.py",
     ),
+    backports=("https://github.com/huggingface/transformers/pull/29402",),
+    follow_ups=(
+        FollowUp("https://github.com/huggingface/transformers/pull/35235", "4.48.0's modular rewrite makes GemmaMLP "
+                 "read hidden_act again: exact GELU for hidden_act='gelu' on 4.48.0-5.17.x", carried=False,
+                 reason="outside this shim's range (4.38.x); the doctor's advisory "
+                 "gemma_hidden_act_gelu_exact_regression covers those versions"),
+        FollowUp("https://github.com/huggingface/transformers/blob/v5.18.0/src/transformers/models/gemma/"
+                 "configuration_gemma.py", "5.18.0's GemmaConfig maps hidden_act='gelu' to 'gelu_pytorch_tanh' and "
+                 "leaves other values alone", carried=True),
+    ),
+    follow_ups_checked="GemmaRMSNorm read in 4.39.0-4.39.3, 4.40.0, 4.49.0, 4.53.3, 4.56.2, 4.57.6, 5.0.0, 5.9.0, "
+    "5.16.1, 5.24.0 and 5.25.0: the float32 norm #29402 added is unchanged.",
     targets=(
         Target(MODULE, "GemmaRMSNorm.forward", params=("x",)),
         Target(MODULE, "GemmaMLP.forward", params=("x",)),

@@ -31,6 +31,11 @@ Applies to trl >=0.8.2 (ORPO's first release),<0.27.0, in ``trl.trainer.orpo_tra
 Fallback: a class without ``odds_ratio_loss(self, policy_chosen_logps, policy_rejected_logps)``, or
 whose method no longer computes ``log1p(-exp(.))`` (already fixed, or changed), is left alone
 (target missing); a method another library replaced is left alone (foreign patch).
+
+Follow-ups: none. ORPOTrainer.odds_ratio_loss and log1mexp read in trl 0.27.0, 0.27.2, 0.28.0,
+0.29.1, 1.0.0, 1.4.0, 1.9.0 and 1.16.0 (trl/experimental/orpo/orpo_trainer.py): identical to
+#4763's; trl#3237 and #2564 were answered with #4763, and no later change or regression report
+was found.
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/trl/issues/2564",
         "https://github.com/huggingface/trl/issues/1473",
     ),
+    backports=("https://github.com/huggingface/trl/pull/4763",),
+    follow_ups_checked="ORPOTrainer.odds_ratio_loss and log1mexp read in trl 0.27.0, 0.27.2, 0.28.0, 0.29.1, 1.0.0, "
+    "1.4.0, 1.9.0 and 1.16.0 (trl/experimental/orpo/orpo_trainer.py): identical to #4763's; trl#3237 and #2564 "
+    "were answered with #4763, and no later change or regression report was found.",
     targets=(
         Target("trl.trainer.orpo_trainer", "ORPOTrainer.odds_ratio_loss", params=PARAMS, when="<0.26.0"),
         Target("trl.experimental.orpo.orpo_trainer", "ORPOTrainer.odds_ratio_loss", params=PARAMS, when=">=0.26.0"),
