@@ -23,6 +23,7 @@ SHIM_IDS = (
     "trl_ipo_summed_logps",
     "fa2_right_padding_in_training",
     "gemma_4_38_norm_and_activation",
+    "gemma_hidden_act_gelu_regression",
     "trl_orpo_log_odds_nan",
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",

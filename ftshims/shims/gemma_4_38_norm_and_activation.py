@@ -345,9 +345,8 @@ def probe(case: str = "norm_bf16") -> Observation:
     """Tiny Gemma: do the logits (and each RMSNorm / MLP output) equal 4.39.0's formulas?
 
     The default (the doctor's ``--probe``) is the norm: a bug of 4.38.x only. The activation part is back on
-    4.48-5.17 for ``hidden_act="gelu"`` configs, which no shim covers there (the advisory
-    ``gemma_hidden_act_gelu_exact_regression`` says so for Gemma models): probing it by default would flag
-    every such stack, whatever model the user trains.
+    4.48-5.17 for ``hidden_act="gelu"`` configs, where ``gemma_hidden_act_gelu_regression`` (5.18's rule)
+    fixes it, not this shim: probed here by default, it would show as present-and-unpatched on those stacks.
 
     ``norm_bf16`` / ``norm_fp16``: the model in that dtype, tanh GELU in the
     config, norms compared. ``activation``: float32, ``hidden_act="gelu"`` as

@@ -30,7 +30,7 @@ def _legacy_gelu_regressed() -> bool:
 def test_bug_and_fix(evidence, scenario):
     if scenario in ("activation", "both") and HAS_GEMMA and _legacy_gelu_regressed():
         pytest.skip(f"transformers {TF} runs exact GELU for hidden_act='gelu' again (4.48.0 regression, PR #35235); "
-                    "outside this shim's range")
+                    "outside this shim's range: gemma_hidden_act_gelu_regression fixes it there")
     assert_bug_and_fix(SHIM, evidence, scenario, expect_bug=True, case=scenario)
 
 

@@ -360,6 +360,30 @@ def packed_gap(model, rec, parts, dtype):
     return max(gaps)
 
 
+@contextlib.contextmanager
+def gelu_gap(model):
+    """Yields a dict that gets ``"gelu_gap"``: the max |output - the same MLP with tanh GELU| over the model's
+    ``GemmaMLP`` modules in the forward run inside the block (transformers 5.18's MLP for hidden_act "gelu"),
+    for the ``gelu_tanh_gap_closed`` check. Nothing is measured in models without a GemmaMLP."""
+    import torch
+
+    seen = {}
+
+    def hook(module, args, output):
+        with torch.no_grad():
+            x = args[0]
+            ref = module.down_proj(torch.nn.functional.gelu(module.gate_proj(x), approximate="tanh") * module.up_proj(x))
+            gap = float((output.detach().float() - ref.float()).abs().max())
+        seen["gelu_gap"] = max(seen.get("gelu_gap", 0.0), gap)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__ == "GemmaMLP"]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
     """Build ``cls`` with ``attn``; run the plan's steps. Returns {step_key: record}."""
     import torch
@@ -385,9 +409,12 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
     for dtype_name, inp in plan["steps"]:
         if dtype_name != "fp32" or inp not in inputs:
             continue
-        rec = run_step(model, inputs[inp])
+        with gelu_gap(model) as gelu:
+            rec = run_step(model, inputs[inp])
         if inp == "packed" and "packed_parts" in inputs:
             rec["probe"] = {"packed_gap": packed_gap(model, rec, inputs["packed_parts"], torch.float32)}
+        if gelu:
+            rec.setdefault("probe", {}).update(gelu)
         recs[f"{attn}|fp32|{inp}"] = rec
     if compile_backend and plan.get("compile") and attn == plan.get("compile_attn", attn):
         recs[f"{attn}|fp32|compile"] = compile_step(model, inputs["main"], compile_backend)
@@ -406,8 +433,9 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
             for dtype_name, inp in plan["steps"]:
                 if dtype_name != "bf16" or inp not in inputs:
                     continue
-                rec = run_step(m16, zin.cast(inputs[inp], torch.bfloat16))
-                probe = {}
+                with gelu_gap(m16) as gelu:
+                    rec = run_step(m16, zin.cast(inputs[inp], torch.bfloat16))
+                probe = dict(gelu)
                 if refs:
                     probe["rope_err"] = rope_errors(m16, refs, torch.bfloat16)
                 if inp == "packed" and "packed_parts" in inputs:
@@ -727,6 +755,9 @@ def predicate_holds(pred, st, cls_name):
         return "causal_lm" in c["labels"]
     if pred == "rope":
         return bool(c.get("has_rope"))
+    if pred == "hidden-act-gelu":  # the config, or its text sub-config, says hidden_act "gelu" (exact GELU)
+        config = st.get("config")
+        return any(getattr(cfg, "hidden_act", None) == "gelu" for cfg in (config, getattr(config, "text_config", None)))
     return False
 
 
@@ -766,6 +797,12 @@ def run_check(name, plain_rec, shim_rec):
         if worse:
             return "worse", detail + f" (worse on {worse[0]})"
         return ("better" if better else "same"), detail
+    if name == "gelu_tanh_gap_closed":
+        pg, sg = pp.get("gelu_gap"), sp.get("gelu_gap")
+        if pg is None or sg is None:
+            return "worse", "no GemmaMLP measured"
+        detail = f"max |GemmaMLP - tanh-GELU MLP (transformers 5.18's)|: plain {pg:.3g}, shimmed {sg:.3g}"
+        return ("better" if sg == 0 < pg else "same" if sg == pg else "worse"), detail
     if name == "packed_gap_down":
         pg, sg = pp.get("packed_gap"), sp.get("packed_gap")
         if pg is None or sg is None:

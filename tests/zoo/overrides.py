@@ -18,6 +18,10 @@ CONFIG = {
     "mllama": {"text_config": {"rope_scaling": {"rope_type": "default"}}},
     # the eager attention clamps with clip_qkv=None (torch refuses min=max=None); dbrx checkpoints use 8
     "dbrx": {"attn_config": {"clip_qkv": 8.0}},
+    # the released Gemma (v1) configs say hidden_act "gelu" (GemmaConfig's default is the tanh approximation):
+    # the zoo runs that value, the one gemma_hidden_act_gelu_regression changes (declared_changes.toml)
+    "gemma": {"hidden_act": "gelu"},
+    "paligemma": {"text_config": {"hidden_act": "gelu"}},
     # the yes/no logits are read at fixed ids of the 262k vocab (modeling default 10784/3771): ids of the tiny one
     "shieldgemma2": {"yes_token_index": 100, "no_token_index": 101},
     # the projector maps a patch count to a query count, keyed by the 490/980 px patch counts: add the tiny one
