@@ -24,10 +24,28 @@ original runs, if checkpointing may be reentrant (``use_reentrant`` not
 explicitly ``False``) and the model has trainable parameters but frozen input
 embeddings, call the model's own ``enable_input_require_grads()`` (a forward
 hook that marks the embedding *output* as requiring grad; weights are never
-touched). Models whose input embeddings cannot be determined are left alone.
+touched). The same for every PreTrainedModel inside it whose input embeddings
+are another module and which trains behind them, as 5.0.0 hooks them all: BART's
+encoder and decoder (each embeds with its own module sharing the weight of
+``shared``, which ``get_input_embeddings()`` returns and no forward calls), a
+VLM's vision tower. Models whose input embeddings cannot be determined are left
+alone.
 
 Applies to transformers >=4.30,<5.0. Fallback: if the method is missing the
 shim is skipped with a reason; nothing else is patched.
+
+Follow-ups: #42558 (5.0: a sub-model whose get_input_embeddings is not
+implemented is skipped instead of raising, a regression of #41993) — carried.
+https://github.com/modelscope/ms-swift/pull/10214 (5.2: the hooks #41993 puts on
+every sub-model make a fully frozen vision tower keep its autograd graph) — carried:
+a sub-model is hooked only when it has trainable parameters. Until ftshims 0.2.0
+this shim carried #43203 without #41993: it hooked only ``get_input_embeddings()``,
+so LoRA in BART (and the other encoder-decoders that embed with their own modules)
+still failed with "does not require grad", and LoRA in a LLaVA vision tower got no
+gradient, silently, while the text LoRA trained. gradient_checkpointing_enable and
+enable_input_require_grads read in 5.0.0, 5.9.0, 5.16.1, 5.24.0 and 5.25.0: later
+changes are every_n_layers (5.16) and the rename to activation_checkpointing_enable
+(5.24), neither at the fix.
 """
 
 from __future__ import annotations
@@ -36,11 +54,11 @@ import logging
 import sys
 
 from .._util import acted
-from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from ..spec import FollowUp, Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="lora_reentrant_checkpointing",
-    since="0.1.0",
+    since="0.2.0",
     title="LoRA gets no gradient under reentrant gradient checkpointing",
     symptom="`element 0 of tensors does not require grad` or all-None LoRA grads after gradient_checkpointing_enable()",
     why='Under reentrant gradient checkpointing a block builds a graph only if an input requires grad; with frozen embeddings the LoRA weights inside get no gradient (an error, or silently no training). The shim makes the checkpointed inputs require grad.',
@@ -51,7 +69,24 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/transformers/issues/26334",
         "https://github.com/huggingface/transformers/issues/28335",
         "https://github.com/huggingface/transformers/pull/43203",
+        "https://github.com/huggingface/transformers/pull/41993",
+        "https://github.com/huggingface/transformers/pull/42558",
+        "https://github.com/modelscope/ms-swift/pull/10214",
     ),
+    backports=(
+        "https://github.com/huggingface/transformers/pull/43203",
+        "https://github.com/huggingface/transformers/pull/41993",
+    ),
+    follow_ups=(
+        FollowUp("https://github.com/huggingface/transformers/pull/42558", "5.0: a sub-model whose "
+                 "get_input_embeddings is not implemented is skipped instead of raising, a regression of #41993",
+                 carried=True),
+        FollowUp("https://github.com/modelscope/ms-swift/pull/10214", "5.2: the hooks #41993 puts on every "
+                 "sub-model make a fully frozen vision tower keep its autograd graph", carried=True),
+    ),
+    follow_ups_checked="gradient_checkpointing_enable and enable_input_require_grads read in 5.0.0, 5.9.0, 5.16.1, "
+    "5.24.0 and 5.25.0: later changes are every_n_layers (5.16) and the rename to activation_checkpointing_enable "
+    "(5.24), neither at the fix.",
     targets=(
         Target("transformers.modeling_utils", "PreTrainedModel.gradient_checkpointing_enable"),
         Target("transformers.modeling_utils", "PreTrainedModel.enable_input_require_grads"),
@@ -70,18 +105,37 @@ def _use_reentrant(args, kwargs) -> bool:
     return True
 
 
+def _input_embeddings(model):
+    """``model.get_input_embeddings()``, or None when the model has none it can name."""
+    try:
+        return model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None  # e.g. a vision sub-model without the getter: skipped, as 5.0 does (#42558)
+
+
 def _needs_input_grads(model) -> bool:
     if getattr(model, "_require_grads_hook", None) is not None:
         return False  # the hook is already installed
     if not any(p.requires_grad for p in model.parameters()):
-        return False  # nothing to train: leave inference setups alone
-    try:
-        embeddings = model.get_input_embeddings()
-    except (NotImplementedError, AttributeError):
-        return False
+        return False  # nothing to train: leave inference setups (and frozen towers, ms-swift#10214) alone
+    embeddings = _input_embeddings(model)
     if embeddings is None:
         return False
     return not any(p.requires_grad for p in embeddings.parameters())
+
+
+def _models_to_hook(model, pretrained_model):
+    """The model, then every PreTrainedModel inside it whose input embeddings are another module (BART's encoder and
+    decoder each embed with their own module sharing the weight; a VLM's vision tower has its own), as 5.0.0's
+    enable_input_require_grads hooks them (#41993); each only when it trains behind frozen embeddings."""
+    seen = set()
+    for sub in [model] + [m for m in model.modules() if m is not model and isinstance(m, pretrained_model)]:
+        embeddings = _input_embeddings(sub)
+        if embeddings is None or id(embeddings) in seen:
+            continue
+        seen.add(id(embeddings))
+        if _needs_input_grads(sub):
+            yield sub
 
 
 def _gradient_checkpointing_enable(wrapped, instance, args, kwargs):
@@ -95,9 +149,11 @@ def _gradient_checkpointing_enable(wrapped, instance, args, kwargs):
             parameters[name].requires_grad_(flags[name])
         acted(SPEC.id, "requires_grad flags restored", len(changed))
         log.warning("gradient_checkpointing_enable changed requires_grad of %d parameter(s); restored", len(changed))
-    if _use_reentrant(args, kwargs) and _needs_input_grads(model):
-        model.enable_input_require_grads()
-        acted(SPEC.id, "input-grad hooks installed")
+    if _use_reentrant(args, kwargs):
+        pretrained_model = sys.modules["transformers.modeling_utils"].PreTrainedModel
+        for sub in list(_models_to_hook(model, pretrained_model)):
+            sub.enable_input_require_grads()  # the installed version's own hook (a forward hook; weights untouched)
+            acted(SPEC.id, "input-grad hooks installed")
     return result
 
 
