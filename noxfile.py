@@ -10,6 +10,7 @@
     nox -s zoo                # model-zoo parity gate on three stacks (tests/zoo/README.md)
     nox -s mutation_check     # a no-op version of every fix shim fails its tests (tools/mutation.py)
     nox -s clients            # ftshims inside LLaMA-Factory, Liger, axolotl runs (tests/clients)
+    nox -s package            # sdist + wheel as users get them, twine check, the doctor from the installed wheel
 
 Every session is a uv venv with torch 2.13.0 (CPU) unless its stack names another
 torch (``torch = "2.15.0"`` in stacks.toml: a CUDA build from PyPI, run on the CPU). uv does not read pip's
@@ -161,6 +162,30 @@ def canary(session: nox.Session) -> None:
     """
     session.install(*_torch_source(), TORCH, "pip", "setuptools", "wheel", "packaging", "wrapt")
     session.run("python", "-m", "ftshims.canary", *session.posargs, env={"PYTHONPATH": str(ROOT)})
+
+
+@nox.session(python="3.11")
+def package(session: nox.Session) -> None:
+    """The package as users get it (tools/check_package.py): ``python -m build`` makes the sdist and the wheel,
+    ``twine check --strict`` reads their metadata, the files must carry the kernel sources, the data files and the
+    start-up hook, and the wheel, installed into a fresh venv with the default stack, runs the doctor from there."""
+    session.install("build", "twine")
+    dist = Path(session.create_tmp()) / "dist"
+    if dist.exists():
+        import shutil
+
+        shutil.rmtree(dist)
+    session.run("python", "-m", "build", "--outdir", str(dist), str(ROOT))
+    session.run("python", "-m", "twine", "check", "--strict", *map(str, sorted(dist.iterdir())))
+    session.run("python", "tools/check_package.py", "contents", str(dist))
+    venv = Path(session.create_tmp()) / "wheel-venv"
+    uv = [sys.executable, "-m", "uv"]
+    session.run_install(*uv, "venv", "-q", "--clear", "--python", session.virtualenv.location + "/bin/python",
+                        str(venv), external=True)
+    wheel = next(dist.glob("*.whl"))
+    session.run_install(*uv, "pip", "install", "-q", "--python", str(venv / "bin" / "python"), *_torch_source(),
+                        TORCH, *STACKS[DEFAULT_STACK]["pins"], str(wheel), external=True)
+    session.run("python", "tools/check_package.py", "installed", str(venv / "bin" / "python"))
 
 
 import mutation  # noqa: E402  (tools/mutation.py: reads the registry and stacks.toml only)
