@@ -3,12 +3,16 @@ this file only adds the optional C++/CUDA extension of ftshims.kernels (the rota
 
 What gets built, decided when setup.py runs:
 
-* torch is a CUDA build and a CUDA toolkit (nvcc) is found -> ``CUDAExtension``
-  (CPU and CUDA kernels; arches from ``TORCH_CUDA_ARCH_LIST``);
+* torch is a CUDA build, a CUDA toolkit (nvcc) is found and the architectures
+  are known (``TORCH_CUDA_ARCH_LIST``, else the visible devices) -> ``CUDAExtension``
+  (CPU and CUDA kernels);
 * torch is a CPU-only build -> ``CppExtension`` (CPU kernels);
-* otherwise (no torch importable, e.g. pip's isolated build environment, or a
-  CUDA torch without a toolkit) -> nothing: a pure-Python install, and the
-  extension is JIT-compiled on first use instead (see ftshims/kernels/_build.py).
+* otherwise (no torch importable, e.g. pip's isolated build environment; a
+  CUDA torch without a toolkit; a CUDA torch with a toolkit but no device and no
+  ``TORCH_CUDA_ARCH_LIST``, where torch's builder would stop with an IndexError)
+  -> nothing: a pure-Python install, and the extension is JIT-compiled on first
+  use instead, for the devices of the machine that uses it (see
+  ftshims/kernels/_build.py).
 
 A failed extension build never fails the install: the error is printed with a
 clear message and the package installs without it. To build it ahead of time,
@@ -91,7 +95,13 @@ def _extension_setup():
     cuda_home = cpp_extension.CUDA_HOME
     has_toolkit = bool(cuda_home) and os.path.exists(os.path.join(cuda_home, "bin", "nvcc"))
     sources = [os.path.join("csrc", "rotary.cpp")]
-    if torch.version.cuda is not None and has_toolkit:
+    with_cuda, what = flags.plan()  # the JIT build's rule: CUDA kernels only for known architectures
+    if torch.version.cuda is not None and has_toolkit and not with_cuda:
+        # An ahead-of-time CPU-only library would be loaded in place of a CUDA one on the machine that
+        # has the devices: leave the build to the JIT there.
+        _say(f"{what}; installing without the compiled rotary extension (JIT-compiled on first use instead)")
+        return [], {}
+    if with_cuda:
         sources.append(os.path.join("csrc", "rotary_cuda.cu"))
         ext = cpp_extension.CUDAExtension(
             EXT_NAME,
@@ -100,7 +110,7 @@ def _extension_setup():
             extra_compile_args={"cxx": flags.cflags(True), "nvcc": flags.cuda_cflags()},
             extra_link_args=flags.ldflags(),
         )
-        kind = f"CUDAExtension (torch {torch.__version__}, CUDA {torch.version.cuda}, toolkit {cuda_home})"
+        kind = f"CUDAExtension (torch {torch.__version__}, CUDA {torch.version.cuda}: {what})"
     elif torch.version.cuda is None:
         ext = cpp_extension.CppExtension(
             EXT_NAME,

@@ -73,6 +73,9 @@ DEFAULT_STACK_ONLY = (
     "tests/lifecycle/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[llama-sdpa]",
     "tests/lifecycle/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[mistral-sdpa]",
 )
+# ... except on a stack with a torch of its own (``torch = "..."`` in stacks.toml): what torch changes between
+# releases (cpp_extension for the kernels, dynamo, the distributed APIs) runs there too.
+TORCH_DEPENDENT = ("tests/kernels/", "tests/lifecycle/test_compile.py", "tests/e2e/test_distributed.py")
 
 
 def pytest_addoption(parser):
@@ -96,12 +99,22 @@ def _on_a_matrix_stack() -> bool:
     return os.environ.get("FTSHIMS_STACK") in datafiles.matrix_stacks()
 
 
+def _stack_has_its_own_torch() -> bool:
+    from ftshims import datafiles
+
+    return bool(datafiles.stacks().get(os.environ.get("FTSHIMS_STACK"), {}).get("torch"))
+
+
 def pytest_collection_modifyitems(config, items):
     if not _on_a_matrix_stack():
         return
+    own_torch = _stack_has_its_own_torch()
     keep, dropped = [], []
     for item in items:
-        (dropped if item.nodeid.startswith(DEFAULT_STACK_ONLY) else keep).append(item)
+        default_only = item.nodeid.startswith(DEFAULT_STACK_ONLY)
+        if default_only and own_torch and item.nodeid.startswith(TORCH_DEPENDENT):
+            default_only = False
+        (dropped if default_only else keep).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep

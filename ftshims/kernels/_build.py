@@ -15,6 +15,16 @@ then load the finished library. The lock is released by the kernel when its
 holder dies, so a killed build never leaves the others waiting forever (the
 failure mode of torch's own lock file).
 
+Which kernels are compiled (``plan()``, reported as ``status()["build"]``):
+the CPU kernels always; the CUDA kernels too when torch is a CUDA build, a CUDA
+toolkit is found (nvcc, and libcudart to link), and the target architectures are known: from
+``TORCH_CUDA_ARCH_LIST`` when it is set (e.g. ``"8.0;9.0"``; no device needed),
+else from the visible CUDA devices. A CUDA build of torch on a machine without
+a CUDA device and without ``TORCH_CUDA_ARCH_LIST`` (a CI runner, a login node, a
+laptop) gets the CPU kernels only: torch's extension builder would otherwise
+fail there with a bare ``IndexError`` (it derives the architectures from the
+devices, finds none, and indexes the empty list).
+
 Every outcome is recorded with a reason (``status()``); nothing here raises
 unless the caller asked for the compiled backend explicitly.
 """
@@ -26,15 +36,16 @@ import hashlib
 import importlib.machinery
 import logging
 import os
+import re
 import sys
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 log = logging.getLogger("ftshims")
 
 _LOCK = threading.Lock()
-_STATE: Dict[str, object] = {"tried": False, "loaded": False, "how": None, "reason": None, "cuda": False}
+_STATE: Dict[str, object] = {"tried": False, "loaded": False, "how": None, "reason": None, "cuda": False, "build": None}
 
 HERE = Path(__file__).resolve().parent
 SOURCE_NAMES = ("rotary.h", "rotary_op.h", "rotary.cpp", "rotary_cuda.cu")
@@ -106,6 +117,54 @@ def cuda_toolkit() -> Optional[str]:
     return None
 
 
+def _cudart_dir(toolkit: str) -> Optional[str]:
+    """The folder torch's builder links the CUDA runtime from (``-L<it> -lcudart``) if libcudart is there.
+
+    An ``nvcc`` wrapper script in ``/usr/local/bin`` makes torch take ``CUDA_HOME=/usr/local``, which compiles
+    the CUDA sources and then fails to link (``cannot find -lcudart``).
+    """
+    lib = os.path.join(toolkit, "lib64")
+    lib = lib if os.path.isdir(lib) else os.path.join(toolkit, "lib")  # torch's own choice (library_paths)
+    return lib if glob.glob(os.path.join(lib, "libcudart.*")) else None
+
+
+ARCH_ENV = "TORCH_CUDA_ARCH_LIST"  # torch's own variable, read by its extension builder
+
+
+def plan() -> Tuple[bool, str]:
+    """``(with_cuda, what)``: whether the CUDA kernels are compiled too, and a sentence saying which and why."""
+    import torch
+
+    if torch.version.cuda is None:
+        return False, f"CPU kernels (torch {torch.__version__} is a CPU build)"
+    toolkit = cuda_toolkit()
+    if toolkit is None:
+        from torch.utils import cpp_extension
+
+        return False, (
+            f"CPU kernels only (torch {torch.__version__} is a CUDA {torch.version.cuda} build, but no CUDA toolkit "
+            f"was found: no nvcc under CUDA_HOME={cpp_extension.CUDA_HOME})"
+        )
+    arch = os.environ.get(ARCH_ENV, "").strip()
+    devices = torch.cuda.device_count()  # what torch's builder reads; 0 without a driver, never raises
+    if arch and arch != "native":
+        target = f"{ARCH_ENV}={arch!r}"
+    elif devices > 0:
+        target = f"the architectures of the {devices} visible CUDA device(s)"
+    else:
+        given = f" ({ARCH_ENV}='native' needs a visible device)" if arch == "native" else f" and {ARCH_ENV} is not set"
+        return False, (
+            f"CPU kernels only: torch {torch.__version__} is a CUDA build, but no CUDA device is visible{given}; "
+            f"set {ARCH_ENV} (e.g. '8.0;9.0') to compile the CUDA kernels without a device"
+        )
+    if _cudart_dir(toolkit) is None:
+        return False, (
+            f"CPU kernels only: the CUDA kernels for {target} cannot be linked: CUDA_HOME={toolkit} has bin/nvcc but "
+            f"no libcudart in its lib64/ or lib/; set CUDA_HOME to the CUDA toolkit (e.g. /usr/local/cuda)"
+        )
+    return True, f"CPU and CUDA kernels for {target} (CUDA toolkit {toolkit})"
+
+
 def cache_root() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     return Path(root) if root else Path.home() / ".cache" / "torch_extensions"
@@ -155,14 +214,18 @@ class _FileLock:
         return False
 
 
-def jit_build(verbose: bool = False) -> Path:
-    """Build (or reuse) the extension in the cache folder and load it. Raises on failure."""
+def jit_build(verbose: bool = False, with_cuda: Optional[bool] = None) -> Path:
+    """Build (or reuse) the extension in the cache folder and load it. Raises on failure.
+
+    ``with_cuda``: compile the CUDA kernels too; by default what :func:`plan` decides.
+    """
     from torch.utils import cpp_extension
 
     sources = source_dir()
     if sources is None:
         raise RuntimeError("the C++/CUDA sources are not installed (no ftshims/kernels/_csrc, no csrc/)")
-    with_cuda = cuda_toolkit() is not None
+    if with_cuda is None:
+        with_cuda = plan()[0]
     key = build_key(sources, with_cuda)
     name = f"ftshims_rotary_{key}"
     build_dir = cache_root() / name
@@ -170,7 +233,9 @@ def jit_build(verbose: bool = False) -> Path:
     with _FileLock(cache_root() / f"{name}.lock"):
         build_dir.mkdir(parents=True, exist_ok=True)
         baton = build_dir / "lock"
-        if baton.exists():
+        # torch < 2.15 waits while that file exists (FileBaton); 2.15 takes an flock on it instead
+        # (torch.utils._filelock), keeps the file, and a leftover one blocks nobody: nothing to remove.
+        if baton.exists() and hasattr(cpp_extension, "FileBaton"):
             # torch's own lock file, left by a build that was killed: while we hold the flock
             # no other ftshims process can be building here, so it is stale (torch would wait forever).
             log.warning("removing a stale torch build lock %s (a previous build was interrupted)", baton)
@@ -214,12 +279,15 @@ def load(jit: bool = True) -> bool:
             else:
                 reasons.append("no ahead-of-time build")
             if not _STATE["loaded"] and jit:
+                what = "the extension"
                 try:
-                    build_dir = jit_build()
+                    with_cuda, what = plan()
+                    _STATE["build"] = what
+                    build_dir = jit_build(with_cuda=with_cuda)
                     _STATE.update(loaded=True, how=f"JIT build in {build_dir}", reason=None)
                 except Exception as exc:  # compiler missing, ninja missing, build error: all mean "no extension"
                     _STATE["how"] = "jit-failed"
-                    reasons.append(f"JIT build failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+                    reasons.append(f"JIT build of {what} failed: {_describe(exc)}")
             elif not _STATE["loaded"]:
                 reasons.append("JIT build not attempted")
         if _STATE["loaded"]:
@@ -233,12 +301,26 @@ def load(jit: bool = True) -> bool:
         return bool(_STATE["loaded"])
 
 
+_BUILD_ERROR = re.compile(r"error|fatal|cannot find|undefined reference|no such file", re.IGNORECASE)
+
+
+def _describe(exc: BaseException) -> str:
+    """The exception in one line: its type, the first line of a build log that names an error (a compiler's or
+    linker's ``...: error: ...``, ``cannot find -lcudart``), and the message's last line."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    cause = next((line for line in lines[:-1] if _BUILD_ERROR.search(line) and not line.startswith("Error building extension")), None)
+    return f"{type(exc).__name__}: {cause + ' ... ' if cause else ''}{lines[-1]}"
+
+
 def has_cuda_kernels() -> bool:
     """True when the loaded extension carries the CUDA kernels (lock-free)."""
     return bool(_STATE["cuda"])
 
 
 def status() -> Dict[str, object]:
-    """What happened when loading: ``loaded``, ``how``, ``reason`` (when not loaded), ``cuda``."""
+    """What happened when loading: ``loaded``, ``how``, ``reason`` (when not loaded), ``cuda`` (the loaded library
+    has CUDA kernels) and ``build`` (for a JIT build: which kernels it compiles and why, from :func:`plan`)."""
     with _LOCK:
         return dict(_STATE)
