@@ -48,3 +48,10 @@ def test_the_v5_gap_has_stacks():
     versions = sorted(tuple(int(p) for p in datafiles.pinned_versions(name)["transformers"].split(".")[:2])
                       for name in SUITE_STACKS)
     assert any((5, 0) <= v < (5, 10) for v in versions) and any((5, 12) <= v <= (5, 20) for v in versions)
+
+
+def test_compile_era_stacks_are_matrix_stacks():
+    """tests/conftest.py runs the compile tests on one stack per era: each must be a stack the matrix runs."""
+    from tests.conftest import COMPILE_STACKS
+
+    assert set(COMPILE_STACKS) <= set(datafiles.matrix_stacks())
