@@ -25,6 +25,7 @@ SHIM_IDS = (
     "gemma_4_38_norm_and_activation",
     "gemma_hidden_act_gelu_regression",
     "trl_orpo_log_odds_nan",
+    "trl_orpo_log1mexp_nan_grad",
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",
 )

@@ -22,9 +22,12 @@ the original method's code (the names it uses), not guessed from the version.
 What changes where there was no bug, exactly as upgrading to TRL 0.27 would: float32 log-probs below
 ``-ln 2`` give bit-identical results; between ``-ln 2`` and 0 the ``log(-expm1)`` branch rounds
 differently (more accurately; below 1e-7 relative). bfloat16/float16 log-probs give float32 losses
-and rewards (upstream's cast; the old bf16 results carried bf16 rounding, ~4e-3 relative). Not fixed
-here, as not upstream: a log-prob of exactly 0 (log-odds genuinely infinite) and the NaN gradient of
-float32 log-probs above ~-6e-8 (``torch.where`` differentiates the unused ``log1p`` branch too).
+and rewards (upstream's cast; the old bf16 results carried bf16 rounding, ~4e-3 relative). Beyond
+0.27.0 (since ftshims 0.2.0; ``trl_orpo_log1mexp_nan_grad`` does the same on TRL 0.27+): each branch
+of ``log1mexp`` is clamped to its own domain, so float32 log-probs above ~-3e-8, where 0.27.0's
+gradient is NaN (``torch.where`` differentiates the unused ``log1p`` branch too), get finite
+gradients with unchanged forward values, and a log-prob of exactly 0 gets a finite log-odds (87.3
+instead of inf) where 0.27.0 gives inf and a NaN gradient.
 
 Applies to trl >=0.8.2 (ORPO's first release),<0.27.0, in ``trl.trainer.orpo_trainer`` (<0.26) and
 ``trl.experimental.orpo.orpo_trainer`` (0.26.x, which ``trl.trainer.orpo_trainer`` subclasses).
@@ -53,7 +56,7 @@ _LN2_NEG = -0.6931471805599453
 
 SPEC = ShimSpec(
     id="trl_orpo_log_odds_nan",
-    since="0.1.0",
+    since="0.2.0",
     title="ORPO odds-ratio loss is NaN/inf when a response's log-prob nears 0",
     symptom="ORPOTrainer: log_odds_chosen/loss NaN or inf and NaN gradients (bf16 log-probs above ~-1e-3; float32 "
     "above ~-1e-7 loses precision, above ~-6e-8 inf), the run blows up",
@@ -83,10 +86,22 @@ MODULES = ("trl.trainer.orpo_trainer", "trl.experimental.orpo.orpo_trainer")
 
 
 def log1mexp(x):
-    """``log(1 - exp(x))`` for ``x <= 0``, as TRL 0.27.0 computes it (same branch point and operations)."""
+    """``log(1 - exp(x))`` for ``x <= 0``: TRL 0.27.0's two branches (same branch point and operations), each
+    fed only the inputs it is meant for, so that both are finite with finite gradients everywhere.
+
+    ``torch.where`` differentiates both branches and multiplies the unused one's gradient by 0; 0.27.0's
+    ``log1p(-exp(x))`` is ``-inf`` with an infinite gradient for float32 ``x`` above ~-3e-8 (``exp`` rounds to
+    1), so the product is NaN there although that branch is not selected. Clamping ``x`` to ``<= -ln 2`` in the
+    ``log1p`` branch and to ``[-ln 2, -tiny]`` in the ``log(-expm1)`` branch changes no selected value except
+    ``x`` in ``(-tiny, 0]`` (``tiny``: the smallest normal float, 1.2e-38 in float32): 0.27.0 gives ``-inf``
+    at ``x = 0`` (an infinite log-odds, a NaN gradient), this gives ``log(tiny)`` (-87.3 in float32), finite."""
     import torch
 
-    return torch.where(x < _LN2_NEG, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+    tiny = torch.finfo(x.dtype).tiny if x.is_floating_point() else torch.finfo(torch.float32).tiny
+    below = x < _LN2_NEG
+    small = torch.log1p(-torch.exp(x.clamp(max=_LN2_NEG)))
+    large = torch.log(-torch.expm1(x.clamp(min=_LN2_NEG, max=-tiny)))
+    return torch.where(below, small, large)
 
 
 def variant(func):
@@ -219,10 +234,15 @@ def reference(chosen, rejected, beta: float = 0.1):
 
 
 def _relerr(got, want) -> float:
+    """Max relative error of ``got`` where the float64 reference is finite; inf when ``got`` is not finite
+    anywhere (a log-prob of exactly 0 has an infinite reference log-odds: there only finiteness counts)."""
     got, want = got.detach().double(), want.double()
     if not bool(got.isfinite().all()):
         return math.inf
-    return float(((got - want).abs() / want.abs().clamp_min(1e-30)).max())
+    finite = want.isfinite()
+    if not bool(finite.any()):
+        return 0.0
+    return float(((got - want).abs() / want.abs().clamp_min(1e-30))[finite].max())
 
 
 def probe(dtype: str = "bfloat16", chosen=(-1e-4, -2.0), rejected=(-1e-3, -3.0)) -> Observation:

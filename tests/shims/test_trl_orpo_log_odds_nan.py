@@ -9,6 +9,7 @@ import ftshims
 from ftshims import registry
 from ftshims.probing import in_affected_range
 from ftshims.spec import ProbeUnsupported
+from ftshims.versions import in_range, installed_version
 
 SHIM = "trl_orpo_log_odds_nan"
 shim_module = registry.get(SHIM).module
@@ -26,6 +27,36 @@ def test_fp32_logps_near_zero(evidence):
     """float32 log-probs -1e-7 / -1e-6: the log-odds is 7 % off and the gradient 14 %."""
     assert_bug_and_fix(SHIM, evidence, "fp32 logps chosen -1e-7, rejected -1e-6", dtype="float32",
                        chosen=(-1e-7,), rejected=(-1e-6,))
+
+
+@pytest.mark.skipif(not in_range(installed_version("trl") or "0", "<0.27.0"),
+                    reason="trl >= 0.27 has its own log1mexp: trl_orpo_log1mexp_nan_grad's")
+def test_fp32_logps_at_the_edge(evidence):
+    """float32 chosen log-probs -1e-8 and 0: log-odds inf and NaN gradients, also with TRL 0.27's formula (the
+    unused log1p branch's gradient); finite with the shim's clamped branches (since 0.2.0)."""
+    assert_bug_and_fix(SHIM, evidence, "fp32 logps chosen -1e-8 and 0", dtype="float32", chosen=(-1e-8, 0.0, -2.0),
+                       rejected=(-1e-3, -1e-3, -3.0))
+
+
+def test_log1mexp_is_trl_0_27s_with_finite_gradients():
+    """The shim's log1mexp gives TRL 0.27.0's bits for every float32 log-prob from -60 to -1.2e-38 (its finite
+    gradients too), a finite gradient where 0.27.0's is NaN (above ~-3e-8), and log(tiny) instead of -inf at 0."""
+    import math
+
+    def trl_0_27(x):  # trl/experimental/orpo/orpo_trainer.py, 0.27.0 lines 76-80
+        return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+    tiny = torch.finfo(torch.float32).tiny
+    grid = torch.cat([-torch.logspace(math.log10(60.0), -37.9, 4001), torch.tensor([-0.6931471805599453, -tiny])])
+    a, b = grid.clone().requires_grad_(True), grid.clone().requires_grad_(True)
+    ya, yb = trl_0_27(a), shim_module.log1mexp(b)
+    assert torch.equal(ya, yb)
+    ya.sum().backward()
+    yb.sum().backward()
+    nan = torch.isnan(a.grad)
+    assert bool(nan.any()) and bool(torch.isfinite(b.grad).all())
+    assert torch.equal(a.grad[~nan], b.grad[~nan])
+    assert float(shim_module.log1mexp(torch.zeros(1))) == pytest.approx(math.log(tiny))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
