@@ -41,6 +41,9 @@ SUMMARY_ENV = "FTSHIMS_SUMMARY"
 # it): here, so that declaring it imports nothing of the kernel.
 ROTARY_BACKEND_ENV = "FTSHIMS_ROTARY_BACKEND"
 ROTARY_BACKENDS = ("auto", "cpu", "cuda", "reference")
+# The training health monitor (ftshims.monitor): attach it to every Trainer, and where its JSON lines go.
+MONITOR_ENV = "FTSHIMS_MONITOR"
+MONITOR_LOG_ENV = "FTSHIMS_MONITOR_LOG"
 
 
 def invalid(setting: str, given: Any, problem: str, allowed: Sequence[Any]) -> ValueError:
@@ -220,6 +223,47 @@ def parse_summary(raw: Optional[str] = None) -> bool:
     raise invalid(f"{SUMMARY_ENV}={raw!r}", text, "expected 0/false/no/off or 1/true/yes/on", AUTO_OFF[1:] + AUTO_ON)
 
 
+def parse_monitor(raw: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """``FTSHIMS_MONITOR``: None when off (unset, empty, 0/false/no/off), else the monitor's options, checked
+    (``{}`` for 1/true/yes/on; a JSON object of ``ftshims.monitor.callback()`` options)."""
+    raw = os.environ.get(MONITOR_ENV, "") if raw is None else raw
+    text = raw.strip()
+    if text.lower() in AUTO_OFF:
+        return None
+    if text.lower() in AUTO_ON:
+        return {}
+    expected = "0/false/no/off, 1/true/yes/on, or a JSON object of monitor options"
+    if not text.startswith("{"):
+        raise invalid(f"{MONITOR_ENV}={raw!r}", text, f"expected {expected}", AUTO_OFF[1:] + AUTO_ON + ("{...}",))
+    import json
+
+    try:
+        given = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{MONITOR_ENV}={raw!r}: not valid JSON ({exc}); expected {expected}") from None
+    from .monitor import options  # light: the monitor's option table, no torch
+
+    options.check(given, source=f"{MONITOR_ENV}={raw!r}")
+    return given
+
+
+def parse_monitor_log(raw: Optional[str] = None, setting: str = MONITOR_LOG_ENV) -> Optional[str]:
+    """``FTSHIMS_MONITOR_LOG``: the monitor's JSONL path, or None (unset or empty). The path must not be a
+    directory and its directory must exist (each rank of a distributed run writes ``<stem>.rank<N><suffix>``)."""
+    raw = os.environ.get(MONITOR_LOG_ENV, "") if raw is None else raw
+    if not isinstance(raw, (str, os.PathLike)):
+        raise invalid(setting, raw, f"expected a file path, got {raw!r}", ["a path whose directory exists"])
+    text = os.fspath(raw).strip()
+    if not text:
+        return None
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.isdir(path):
+        raise invalid(f"{setting}={raw!r}", text, "is a directory, not a file", ["a path whose directory exists"])
+    if not os.path.isdir(os.path.dirname(path)):
+        raise invalid(f"{setting}={raw!r}", text, f"directory {os.path.dirname(path)} does not exist", ["a path whose directory exists"])
+    return path
+
+
 # ---------------------------------------------------------------------------
 # the doctor's view
 
@@ -241,6 +285,8 @@ def environment_problems(environ: Optional[Mapping[str, str]] = None) -> List[Di
 
     check(DISABLE_ENV, lambda: parse_disable(environ.get(DISABLE_ENV, "")))
     check(SUMMARY_ENV, lambda: parse_summary(environ.get(SUMMARY_ENV, "")))
+    check(MONITOR_ENV, lambda: parse_monitor(environ.get(MONITOR_ENV, "")))
+    check(MONITOR_LOG_ENV, lambda: parse_monitor_log(environ.get(MONITOR_LOG_ENV, "")))
     if AUTO_ENV in environ:
         check(AUTO_ENV, lambda: check_arguments(**{k: v for k, v in (parse_auto(environ[AUTO_ENV]) or {}).items() if k != "strict"}))
     seen = set()
