@@ -1,0 +1,165 @@
+"""Parameters that should train and do not, and parameters that should not and do.
+
+* ``nothing_trainable`` (train begin): no parameter requires grad. With adapters,
+  ``kbit_prep_keeps_adapters_trainable``'s bug produces it
+  (``prepare_model_for_kbit_training`` on a model that already has adapters).
+* ``trainable_without_grad`` (the first ``grad_steps`` optimizer steps): parameters
+  with ``requires_grad`` whose ``.grad`` stayed ``None`` in every one of them,
+  grouped by module. A host check (``p.grad is None``), no device read. With
+  adapters under reentrant gradient checkpointing it is
+  ``lora_reentrant_checkpointing``'s silent form: a trainable module after the
+  checkpointed layers (``modules_to_save=["lm_head"]``) keeps the loss
+  differentiable, the run trains, and the LoRA weights never move. Not judged
+  when no parameter got a gradient at all (DeepSpeed/FSDP keep gradients elsewhere).
+* ``frozen_param_changed`` (logging steps and the end): sampled frozen parameters
+  whose checksum (float64 sum and sum of squares of up to 2**20 strided elements:
+  two scalars each, no copy of the model) changed; in a PeftModel the base weights PEFT froze count as frozen
+  even when something set ``requires_grad`` back on them.
+  ``resize_embeddings_keeps_frozen`` explains moved embeddings (transformers < 4.36
+  ``resize_token_embeddings`` makes new, trainable embedding parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from . import Detector
+from .. import facts
+
+
+def _group(names) -> Dict[str, int]:
+    """``{module path: parameters}``; an adapter's parameters count under the layer they adapt
+    (``...q_proj.lora_A.default.weight`` -> ``...q_proj``)."""
+    modules: Dict[str, int] = {}
+    for name in sorted(names):
+        module = name.rsplit(".", 1)[0] if "." in name else name
+        if ".lora_" in module:
+            module = module.split(".lora_", 1)[0]
+        modules[module] = modules.get(module, 0) + 1
+    return modules
+
+
+class NothingTrainable(Detector):
+    codes = ("nothing_trainable",)
+
+    def begin(self, mon) -> None:
+        total = sum(1 for _ in mon.model.parameters())
+        if total == 0 or any(p.requires_grad for p in mon.model.parameters()):
+            return
+        adapters = facts.has_adapters(mon.model)
+        what = "a model with adapters" if adapters else "the model"
+        mon.report("nothing_trainable", 0, f"no parameter of {what} requires grad ({total} parameters, all frozen): "
+                   "the run can update nothing",
+                   ("kbit_prep_keeps_adapters_trainable",) if adapters else (), {"parameters": total, "adapters": adapters})
+
+
+class TrainableWithoutGrad(Detector):
+    codes = ("trainable_without_grad",)
+
+    def __init__(self):
+        self.never = None  # names that got no gradient in every step seen so far
+        self.steps = 0
+        self.judged = False
+        self.any_grad = False
+
+    def grads(self, mon) -> None:
+        if self.judged:
+            return
+        missing = set()
+        for name, p in mon.model.named_parameters():
+            if p.requires_grad:
+                if p.grad is None:
+                    missing.add(name)
+                else:
+                    self.any_grad = True
+        self.never = missing if self.never is None else self.never & missing
+        self.steps += 1
+        self.last_step = mon.step
+        if self.steps >= mon.options["grad_steps"]:
+            self.judge(mon)
+
+    def close(self, mon) -> None:
+        if not self.judged and self.steps:
+            self.judge(mon)
+
+    def judge(self, mon) -> None:
+        self.judged = True
+        if not self.never or not self.any_grad:
+            return
+        names = sorted(self.never)
+        modules = _group(names)
+        what = "LoRA weights" if any("lora_" in name for name in names) else "trainable parameters"
+        candidates = ()
+        reentrant = facts.checkpointing(mon.model)
+        if facts.has_adapters(mon.model) and reentrant:
+            candidates = ("lora_reentrant_checkpointing",)
+        shown = ", ".join(list(modules)[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+        mon.report(
+            "trainable_without_grad", self.last_step,
+            f"{what} got no gradient in {self.steps} optimizer step{'s' if self.steps != 1 else ''}: {len(names)} "
+            f"parameter{'s' if len(names) != 1 else ''} in {len(modules)} module{'s' if len(modules) != 1 else ''} ({shown})",
+            candidates,
+            {"parameters": len(names), "modules": dict(list(modules.items())[:50]), "steps": self.steps,
+             "gradient_checkpointing": None if reentrant is None else ("reentrant" if reentrant else "non-reentrant")},
+        )
+
+
+class FrozenParamChanged(Detector):
+    codes = ("frozen_param_changed",)
+
+    def __init__(self):
+        self.sample: List[tuple] = []  # (name, parameter, checksum, meant_frozen)
+        self.done = False
+
+    def begin(self, mon) -> None:
+        model = mon.model
+        named = list(model.named_parameters())
+        frozen = [(n, p, False) for n, p in named if not p.requires_grad and p.numel()]
+        adapter_ids = facts.adapter_parameter_ids(model)
+        meant = []
+        if adapter_ids is not None:  # a PeftModel: its base weights are frozen by PEFT
+            meant = [(n, p, True) for n, p in named if p.requires_grad and id(p) not in adapter_ids and p.numel()]
+        self.embeddings = facts.embedding_parameters(model)
+        limit = mon.options["frozen_samples"]
+        first = [c for c in meant if id(c[1]) in self.embeddings] + [c for c in frozen if id(c[1]) in self.embeddings]
+        rest = meant + frozen
+        chosen = {id(c[1]): c for c in first[:limit]}
+        room = limit - len(chosen)
+        if room > 0 and rest:
+            stride = max(1, len(rest) // room)
+            for candidate in rest[::stride]:
+                if len(chosen) >= limit:
+                    break
+                chosen.setdefault(id(candidate[1]), candidate)
+        self.sample = [(n, p, _checksum(p), m) for n, p, m in chosen.values()]
+
+    def check(self, mon) -> None:
+        if self.done or not self.sample:
+            return
+        changed = [(n, p, m) for n, p, before, m in self.sample if _checksum(p) != before]
+        if not changed:
+            return
+        self.done = True
+        names = [n for n, _, _ in changed]
+        meant = [n for n, _, m in changed if m]
+        embeddings = [n for n, p, _ in changed if id(p) in self.embeddings]
+        text = f"{len(names)} of {len(self.sample)} sampled frozen parameter{'s' if len(self.sample) != 1 else ''} changed value ({', '.join(names[:4])})"
+        if meant:
+            text += f"; {len(meant)} of them PEFT base weights that PEFT froze and that have requires_grad=True again"
+        mon.report("frozen_param_changed", mon.completed_step, text,
+                   ("resize_embeddings_keeps_frozen",) if embeddings else (),
+                   {"changed": names, "sampled": len(self.sample), "peft_base_weights_trainable": meant, "embeddings": embeddings})
+
+
+SAMPLED_ELEMENTS = 1 << 20  # a checksum reads at most this many elements of a parameter (a strided view)
+
+
+def _checksum(p) -> tuple:
+    """Sum and sum of squares (float64) of up to SAMPLED_ELEMENTS evenly strided elements: two scalars,
+    read at begin and at each check, never per step, and no copy of the parameter."""
+    import torch
+
+    flat = p.detach().reshape(-1)
+    part = flat[:: max(1, flat.numel() // SAMPLED_ELEMENTS)]
+    wide = part.to(torch.float32 if part.device.type == "mps" else torch.float64)
+    return tuple(torch.stack([wide.sum(), wide.square().sum()]).tolist())

@@ -1,0 +1,128 @@
+"""The monitor's options and detector codes, checked when they are given.
+
+``ftshims.monitor.callback(**options)``, ``Monitor(model, **options)`` and
+``FTSHIMS_MONITOR='{...}'`` all go through :func:`check`: an unknown name or
+a bad value is a ``ValueError`` in the one format of :mod:`ftshims.settings`
+(setting, what was given, what is allowed, the closest match). Importing this
+module imports nothing heavy: the start-up hook and ``settings.py`` use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from .. import settings
+
+ERROR, WARNING, INFO = "error", "warning", "info"  # the severities of ftshims.advisories and the lint
+
+# Every detector: code -> (severity, what it watches). The codes are stable: they are the JSONL's and the
+# report's vocabulary, and policy=/off= name them.
+CODES: Dict[str, Tuple[str, str]] = {
+    "nothing_trainable": (ERROR, "no parameter requires grad at train begin"),
+    "trainable_without_grad": (ERROR, "parameters with requires_grad got no gradient in the first optimizer steps"),
+    "frozen_param_changed": (ERROR, "a frozen parameter (or a PEFT base weight) changed value (sampled checksums)"),
+    "nonfinite_loss": (ERROR, "the loss is NaN/inf; the first module with a non-finite output is named"),
+    "nonfinite_grad": (ERROR, "the gradient norm is NaN/inf while the loss is finite"),
+    "loss_spike": (WARNING, "the step loss jumped far above its recent median (median/MAD, after a warm-up)"),
+    "grad_norm_spike": (WARNING, "the gradient norm jumped far above its recent median (median/MAD, after a warm-up)"),
+    "labels_all_ignored": (WARNING, "a training batch had no label the loss scores"),
+    "eos_never_target": (WARNING, "pad = EOS, EOS is in the inputs, and no EOS was a label over eos_steps steps"),
+    "loss_count_mismatch": (WARNING, "the Trainer's num_items_in_batch differs from the number of labels the loss scores"),
+    "packing_contaminated": (ERROR, "a packed example's logits differ from the same example run alone"),
+    "rope_low_precision": (WARNING, "a rotary inv_freq buffer is not float32 during training"),
+    "token_id_out_of_range": (ERROR, "an input id is at or above the embedding's row count (raised before the forward)"),
+    "ranks_identical_batches": (ERROR, "every rank received the same batch (a sampler that does not shard)"),
+}
+
+POLICIES = ("warn", "raise")
+READS = ("auto", "step", "log")
+
+# name -> default. The per-step work is what README.md / the module docstring promise: no option turns on
+# a per-step host-device synchronisation except read="step" (on an accelerator).
+DEFAULTS: Dict[str, Any] = {
+    "policy": "warn",  # "warn" | "raise" | {code: "warn"/"raise"}; token_id_out_of_range raises unless set to "warn"
+    "off": (),  # codes not to run
+    "warmup": 20,  # steps before the spike detectors judge (and values they need first)
+    "spike_sigmas": 8.0,  # how many robust standard deviations (1.4826 x MAD) above the median is a spike
+    "grad_steps": 4,  # optimizer steps over which trainable_without_grad judges
+    "eos_steps": 50,  # steps over which eos_never_target judges
+    "hash_every": 50,  # ranks_identical_batches compares ranks at step 1 and every hash_every steps
+    "frozen_samples": 8,  # frozen parameters checksummed by frozen_param_changed
+    "read": "auto",  # when device-side values are read: "auto" (CPU: every step; else logging steps), "step", "log"
+    "read_every": 50,  # custom loops, read="log" on an accelerator: read every N steps (and at read()/close())
+    "localize": True,  # re-run a non-finite batch once with per-module hooks
+    "log": None,  # JSONL path (default: FTSHIMS_MONITOR_LOG)
+}
+
+_POSITIVE_INTS = ("warmup", "grad_steps", "eos_steps", "hash_every", "frozen_samples", "read_every")
+
+
+def _where(name: str, source: str) -> str:
+    return f"{source}[{name!r}]"
+
+
+def check_policy(value: Any, source: str = "options") -> Dict[str, str]:
+    """``{code: "warn"/"raise"}`` for every code, from ``"warn"``, ``"raise"`` or a per-code dict."""
+    where = _where("policy", source)
+    policy = {code: "warn" for code in CODES}
+    policy["token_id_out_of_range"] = "raise"  # the forward would crash anyway: fail with the clear message
+    if isinstance(value, str):
+        chosen = _choice(where, value, POLICIES)
+        if chosen == "raise":
+            policy = {code: "raise" for code in CODES}
+        return policy
+    if not isinstance(value, Mapping):
+        raise settings.invalid(where, value, f"expected 'warn', 'raise' or {{code: 'warn'/'raise'}}, got {value!r}", POLICIES)
+    for code, each in value.items():
+        policy[check_code(code, where)] = _choice(f"{where}[{code!r}]", each, POLICIES)
+    return policy
+
+
+def check_code(code: Any, where: str) -> str:
+    if not isinstance(code, str) or code.strip().lower().replace("-", "_") not in CODES:
+        raise settings.invalid(where, code, f"unknown detector code {code!r}", list(CODES))
+    return code.strip().lower().replace("-", "_")
+
+
+def _choice(where: str, value: Any, allowed) -> str:
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    raise settings.invalid(where, value, f"got {value!r}", allowed)
+
+
+def check(given: Optional[Mapping[str, Any]] = None, source: str = "options") -> Dict[str, Any]:
+    """Every option with its default filled in and each given value checked; ValueError on the first bad one."""
+    given = dict(given or {})
+    for name in given:
+        if name not in DEFAULTS:
+            raise settings.invalid(source, name, f"unknown option {name!r}", list(DEFAULTS))
+    merged = dict(DEFAULTS)
+    merged.update(given)
+    merged["policy"] = check_policy(merged["policy"], source)
+    off = merged["off"]
+    if isinstance(off, str):
+        off = [off]
+    if not isinstance(off, (list, tuple, set, frozenset)):
+        raise settings.invalid(_where("off", source), off, f"expected a list of detector codes, got {off!r}", list(CODES))
+    merged["off"] = frozenset(check_code(code, _where("off", source)) for code in off)
+    for name in _POSITIVE_INTS:
+        value = merged[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise settings.invalid(_where(name, source), value, f"expected a positive int, got {value!r}", ["any int >= 1"])
+    sigmas = merged["spike_sigmas"]
+    if isinstance(sigmas, bool) or not isinstance(sigmas, (int, float)) or not sigmas > 0:
+        raise settings.invalid(_where("spike_sigmas", source), sigmas, f"expected a positive number, got {sigmas!r}", ["any number > 0"])
+    merged["spike_sigmas"] = float(sigmas)
+    merged["read"] = _choice(_where("read", source), merged["read"], READS)
+    if not isinstance(merged["localize"], bool):
+        raise settings.invalid(_where("localize", source), merged["localize"], f"expected true or false, got {merged['localize']!r}", ["true", "false"])
+    if merged["log"] is not None:
+        merged["log"] = settings.parse_monitor_log(merged["log"], setting=_where("log", source))
+    return merged
+
+
+def public(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """The checked options as JSON-ready values (for the JSONL header)."""
+    out = dict(options)
+    out["off"] = sorted(out["off"])
+    return out

@@ -1,0 +1,171 @@
+"""Every setting is checked when it is given; FTSHIMS_MONITOR attaches the callback to every Trainer through
+the start-up hook and ftshims' Patcher, and ftshims.revert() removes it; importing the monitor stays light."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ftshims
+import ftshims.monitor
+from ftshims import hook, settings
+from ftshims.monitor import attach
+
+from .runs import default_stack_only
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BAD_OPTIONS = [
+    ({"polcy": "warn"}, "unknown option 'polcy'", "did you mean 'policy'?"),
+    ({"policy": "rise"}, "got 'rise'", "did you mean 'raise'?"),
+    ({"policy": {"loss_spik": "raise"}}, "unknown detector code 'loss_spik'", "did you mean 'loss_spike'?"),
+    ({"policy": {"loss_spike": "stop"}}, "got 'stop'", "allowed: warn, raise"),
+    ({"off": ["nan_loss"]}, "unknown detector code 'nan_loss'", "allowed: nothing_trainable"),
+    ({"off": 3}, "expected a list of detector codes", ""),
+    ({"warmup": 0}, "expected a positive int", ""),
+    ({"grad_steps": True}, "expected a positive int", ""),
+    ({"spike_sigmas": -1}, "expected a positive number", ""),
+    ({"read": "sometimes"}, "got 'sometimes'", "allowed: auto, step, log"),
+    ({"localize": "yes"}, "expected true or false", ""),
+    ({"log": "/no/such/dir/run.jsonl"}, "directory /no/such/dir does not exist", ""),
+]
+
+pytestmark = default_stack_only
+
+
+@pytest.mark.parametrize("given,problem,hint", BAD_OPTIONS, ids=[str(list(b[0])[0]) + "-" + str(i) for i, b in enumerate(BAD_OPTIONS)])
+def test_bad_option_raises_when_given(given, problem, hint):
+    for make in (ftshims.monitor.callback, ftshims.monitor.attach_to_trainers):
+        with pytest.raises(ValueError) as raised:
+            make(**given)
+        assert problem in str(raised.value) and hint in str(raised.value)
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        settings.parse_monitor(json.dumps(given))
+    assert not attach.attached()
+
+
+def test_monitor_rejects_bad_options_before_touching_the_model():
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="unknown option 'warmpu'"):
+        ftshims.monitor.Monitor(model, warmpu=3)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize("raw,problem", [
+    ("2", "expected 0/false/no/off, 1/true/yes/on, or a JSON object"),
+    ("{not json", "not valid JSON"),
+    ('{"policy": "loud"}', "got 'loud'"),
+    ('{"every": 3}', "unknown option 'every'"),
+])
+def test_bad_ftshims_monitor_value(raw, problem, tmp_path):
+    with pytest.raises(ValueError, match=problem):
+        settings.parse_monitor(raw)
+    problems = settings.environment_problems({"FTSHIMS_MONITOR": raw})
+    assert [p["variable"] for p in problems] == ["FTSHIMS_MONITOR"] and problem in problems[0]["message"]
+
+
+def test_ftshims_monitor_values():
+    for off in ("", " ", "0", "false", "No", "off"):
+        assert settings.parse_monitor(off) is None
+    for on in ("1", "true", "YES", "on"):
+        assert settings.parse_monitor(on) == {}
+    assert settings.parse_monitor('{"policy": "raise", "off": ["loss_spike"]}') == {"policy": "raise", "off": ["loss_spike"]}
+
+
+def test_ftshims_monitor_log(tmp_path):
+    assert settings.parse_monitor_log("") is None
+    assert settings.parse_monitor_log(str(tmp_path / "run.jsonl")) == str(tmp_path / "run.jsonl")
+    with pytest.raises(ValueError, match="is a directory"):
+        settings.parse_monitor_log(str(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        settings.parse_monitor_log(str(tmp_path / "missing" / "run.jsonl"))
+    problems = settings.environment_problems({"FTSHIMS_MONITOR_LOG": str(tmp_path)})
+    assert [p["variable"] for p in problems] == ["FTSHIMS_MONITOR_LOG"]
+
+
+def test_attach_to_trainers_goes_through_the_patcher_and_revert_removes_it():
+    from transformers import Trainer
+
+    from ftshims import _manager
+
+    init, revert = Trainer.__init__, _manager.revert
+    ftshims.monitor.attach_to_trainers(warmup=5)
+    assert attach.attached() and Trainer.__init__ is not init and _manager.revert is not revert
+    ftshims.revert(only=["packing_block_mask"])  # a narrowed revert leaves the monitor attached
+    assert attach.attached()
+    ftshims.revert()
+    assert not attach.attached() and Trainer.__init__ is init and _manager.revert is revert
+
+
+def test_attached_monitor_joins_every_trainer_once():
+    from ftshims import tiny
+    from ftshims.monitor.trainer import MonitorCallback
+
+    from .runs import corpus, rows_dataset, train
+
+    ftshims.apply()
+    ftshims.monitor.attach_to_trainers()
+    result = train(tiny.tiny_llama(), rows_dataset(corpus(n=8, seq=8)), max_steps=1)
+    callbacks = [cb for cb in result.trainer.callback_handler.callbacks if isinstance(cb, MonitorCallback)]
+    assert callbacks == [result.callback], "the trainer's own monitor callback is kept; no second one"
+    from transformers import Trainer
+
+    from .runs import training_args
+
+    plain = Trainer(model=tiny.tiny_llama(), args=training_args(str(ROOT / ".pytest-monitor-unused")))
+    assert sum(isinstance(cb, MonitorCallback) for cb in plain.callback_handler.callbacks) == 1
+    ftshims.revert()
+    plain = Trainer(model=tiny.tiny_llama(), args=training_args(str(ROOT / ".pytest-monitor-unused")))
+    assert not any(isinstance(cb, MonitorCallback) for cb in plain.callback_handler.callbacks)
+
+
+def _python(code: str, **env):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FTSHIMS_")}
+    environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
+
+
+START_UP = """
+import sys
+exec({line!r})  # what site.py does with the hook file's line at start-up
+from ftshims.monitor import attach
+waiting = attach._PATCHER[0].waiting if attach._PATCHER else None
+print("ATTACHED", attach.attached(), waiting, sorted(m for m in ("torch", "transformers") if m in sys.modules))
+import ftshims
+print("ACTIVE", [e.id for e in ftshims.status() if e.active])
+"""
+
+
+def test_start_up_hook_attaches_on_ftshims_monitor_alone():
+    result = _python(START_UP.format(line=hook.LINE), FTSHIMS_MONITOR="1")
+    assert result.returncode == 0, result.stderr
+    # waiting for transformers.trainer (Trainer.__init__ is wrapped when it is imported); nothing heavy imported
+    assert "ATTACHED True ['transformers.trainer'] []" in result.stdout, result.stdout + result.stderr
+    assert "ACTIVE []" in result.stdout, "FTSHIMS_MONITOR alone applies no shim"
+
+
+def test_start_up_hook_with_a_bad_value_prints_one_line_and_attaches_nothing():
+    result = _python(START_UP.format(line=hook.LINE), FTSHIMS_MONITOR='{"policy": "loud"}')
+    assert result.returncode == 0, result.stderr
+    assert "ATTACHED False None []" in result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.startswith("ftshims: ")]
+    assert len(lines) == 1 and "FTSHIMS_MONITOR" in lines[0] and "monitor not attached" in lines[0], result.stderr
+
+
+def test_ftshims_auto_also_attaches_it():
+    """ftshims.auto imports the monitor's start-up module too: a hook file from before the monitor (one that
+    only knows FTSHIMS_AUTO) still attaches it."""
+    result = _python(START_UP.format(line="import ftshims.auto"), FTSHIMS_AUTO="0", FTSHIMS_MONITOR="1")
+    assert result.returncode == 0, result.stderr
+    assert "ATTACHED True ['transformers.trainer']" in result.stdout and "ACTIVE []" in result.stdout
+
+
+def test_importing_the_monitor_is_light():
+    result = _python("import sys, ftshims.monitor, ftshims.monitor.options, ftshims.monitor.report; "
+                     "print(sorted(m for m in ('torch', 'transformers', 'peft', 'trl') if m in sys.modules))")
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
