@@ -39,3 +39,8 @@ def _apply():
 
 
 report = _apply()
+
+if settings.MONITOR_ENV in os.environ:
+    # FTSHIMS_MONITOR: the training health monitor on every Trainer (the hook line imports this too; here
+    # for hook files written before the monitor existed, and for an explicit `import ftshims.auto`)
+    import ftshims.monitor.startup  # noqa: F401,E402

@@ -23,7 +23,9 @@ from pathlib import Path
 
 NAME = "ftshims-auto.pth"
 # Only "is it set": the value is ftshims.auto's to read, so this line never disagrees with the grammar.
-LINE = "import os; 'FTSHIMS_AUTO' in os.environ and __import__('ftshims.auto')\n"
+# FTSHIMS_MONITOR (the training health monitor) is read by ftshims.monitor.startup the same way.
+LINE = ("import os; 'FTSHIMS_AUTO' in os.environ and __import__('ftshims.auto'); "
+        "'FTSHIMS_MONITOR' in os.environ and __import__('ftshims.monitor.startup')\n")
 
 
 def site_packages() -> Path:
