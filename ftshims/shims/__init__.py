@@ -28,4 +28,5 @@ SHIM_IDS = (
     "trl_orpo_log1mexp_nan_grad",
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",
+    "trl_extract_prompt_boundary",
 )
