@@ -29,4 +29,5 @@ SHIM_IDS = (
     "trl_completion_only_template_miss",
     "eos_label_kept_when_pad_is_eos",
     "trl_extract_prompt_boundary",
+    "accelerate_dispatch_resume_epoch",
 )

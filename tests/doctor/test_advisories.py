@@ -289,6 +289,14 @@ CASES = {
         ({"transformers": "4.57.6"}, None, False),
         ({"transformers": N}, None, False),
     ],
+    "accelerate_resume_epoch_lost_before_1_15": [
+        ({"accelerate": "1.7.0"}, None, True),  # DataLoaderShard.set_epoch reaches the sampler behind the skip
+        ({"accelerate": "1.14.0"}, None, True),
+        ({"accelerate": "1.6.0"}, None, False),  # no reach-through yet: the sampler keeps the epoch it was given
+        ({"accelerate": "1.15.0"}, None, False),  # PR #4071 (the dispatcher: accelerate_dispatch_resume_epoch)
+        ({"accelerate": "1.15.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <1.15.0
+        ({"accelerate": N}, None, False),
+    ],
 }
 
 
