@@ -30,4 +30,5 @@ SHIM_IDS = (
     "eos_label_kept_when_pad_is_eos",
     "trl_extract_prompt_boundary",
     "accelerate_dispatch_resume_epoch",
+    "trl_rl_scoring_position_ids",
 )
