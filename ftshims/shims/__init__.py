@@ -31,4 +31,5 @@ SHIM_IDS = (
     "trl_extract_prompt_boundary",
     "accelerate_dispatch_resume_epoch",
     "trl_rl_scoring_position_ids",
+    "num_items_in_batch_ignored",
 )
