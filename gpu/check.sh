@@ -12,12 +12,13 @@
 #      test under tests/gpu: `pytest -m gpu tests/gpu`
 #   4. compute-sanitizer memcheck on every kernel variant (gpu/sanitize_rotary.py), where it works
 #   5. the benchmark (bench/rotary.py --device cuda) incl. Liger / flash-attn Triton when present
+#   6. the training monitor's step-time overhead and host-device synchronisations (bench/monitor.py --device cuda)
 #
 # Optional extras carried from the CPU box (prepared by gpu/prepare.sh, carry ".gpu_carry"):
 #   .gpu_carry/whl/*.whl                      wheels installed to /tmp/site (e.g. liger-kernel)
 #   .gpu_carry/fa/flash_attn-2.8.3/           flash-attn's released rotary files (Triton) for parity + bench
 #
-# Budget: <= 8 minutes on an H200 (build ~1-2 min, tests ~2 min, sanitizer ~1 min, bench ~2 min).
+# Budget: <= 9 minutes on an H200 (build ~1-2 min, tests ~2 min, sanitizer ~1 min, bench ~2 min, monitor ~1 min).
 # Outputs go to $OUT (or /tmp/ftshims-gpu-out): logs, bench.json, summary.txt.
 set -u
 cd "$(dirname "$0")/.."
@@ -92,6 +93,19 @@ fi
 echo "=== 5. benchmark [$(elapsed)]"
 timeout 240 $PY bench/rotary.py --device cuda --json "$OUT_DIR/bench.json" 2>&1 | tee "$OUT_DIR/bench.log"
 $PY gpu/summarize_bench.py "$OUT_DIR/bench.json" >> "$SUMMARY.rows" 2>> "$OUT_DIR/bench.log" || row "benchmark" FAIL "see bench.log"
+
+echo "=== 6. training monitor: overhead and host-device syncs (bench/monitor.py) [$(elapsed)]"
+# ~0.7 B-parameter Llama, batch 8 x 512, fp32: steps of ~0.3-0.5 s; the monitor reads its device values at
+# read points only (read=auto on CUDA: every 50 steps in a loop, the logging steps in a Trainer)
+timeout 240 $PY bench/monitor.py --device cuda --clock wall --threads 0 --hidden 2048 --layers 12 --vocab 32000 \
+  --batch 8 --seq 512 --reps 21 --count-syncs 8 --json "$OUT_DIR/monitor.json" 2>&1 | tee "$OUT_DIR/monitor.log"
+MON=$($PY -c "import json; d = json.load(open('$OUT_DIR/monitor.json')); print(d['ratio_of_medians'], d['median_ratio'], d.get('syncs_added_per_step', 'n/a'))" 2>/dev/null)
+if [ -z "$MON" ]; then row "monitor overhead (cuda)" FAIL "see monitor.log"
+else
+  set -- $MON
+  if $PY -c "import sys; sys.exit(0 if float('$2') <= 1.01 and '$3' in ('0', '0.0') else 1)"; then RES=PASS; else RES=FAIL; fi
+  row "monitor overhead (cuda)" $RES "ratio of medians $1, median ratio $2, syncs added/step $3"
+fi
 
 echo
 echo "=== summary (total $(elapsed))"

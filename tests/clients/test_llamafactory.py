@@ -232,3 +232,35 @@ def test_hf_gradient_checkpointing_fixed_by_ftshims(runs):
     assert acted.get("input-grad hooks installed", 0) >= 1, acted
     print(f"\nhf checkpointing: without ftshims exit {off.returncode} (does not require grad); with it losses "
           f"{on.losses()}, every LoRA weight has a gradient; {on.trainer['summary']}")
+
+
+def test_monitor_inside_llamafactory(fixture_dir, tmp_path):
+    """``FTSHIMS_MONITOR=1`` in a real ``llamafactory-cli train`` (with ``FTSHIMS_AUTO=1``, the healthy
+    ``packing: true`` config): the start-up hook attaches the training monitor to LLaMA-Factory's own Trainer
+    subclass, which writes its JSON lines (``FTSHIMS_MONITOR_LOG``) with zero findings. Its one-time packing
+    check ran on the packed rows: ftshims isolated them."""
+    assert clientlib.hook_installed(), "ftshims-auto.pth is not in this venv's site-packages (install ftshims non-editable)"
+    workdir = tmp_path / "monitor"
+    settings = dict(BASE, **CONFIGS["packing"])
+    settings.update(model_name_or_path=str(fixture_dir / "model"), dataset_dir=str(fixture_dir / "data"),
+                    output_dir=str(workdir / "out"))
+    workdir.mkdir(parents=True)
+    yaml = workdir / "train.yaml"
+    yaml.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items() if v is not None))
+    log = workdir / "monitor.jsonl"
+    cli = Path(sys.executable).parent / "llamafactory-cli"
+    run = clientlib.finish(clientlib.start("monitor", [str(cli), "train", str(yaml)], workdir, workdir / "out", True,
+                                           extra_path=[STUBS], FTSHIMS_MONITOR="1", FTSHIMS_MONITOR_LOG=str(log)))
+    _finished(run)
+    _ftshims_on(run)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    kinds = [r["type"] for r in records]
+    assert kinds[0] == "header" and kinds[-1] == "summary", kinds
+    assert [r["step"] for r in records if r["type"] == "step"] == [1, 2, 3], records
+    assert [r for r in records if r["type"] == "finding"] == [], [r["message"] for r in records if r["type"] == "finding"]
+    assert records[-1]["findings"] == [] and records[-1]["steps"] == 3
+    assert records[0]["model"] == "PeftModelForCausalLM" and records[0]["fingerprint"]["hash"], records[0]
+    packing = run.status()["packing_block_mask"]["actions"].get("block masks built", 0)
+    # 3 training forwards and the monitor's one re-run of the packed row (the example alone needs no mask)
+    assert packing == 4, run.status()["packing_block_mask"]
+    print(f"\nmonitor in LLaMA-Factory: {records[-1]['text']}; {len(records)} JSON lines; block masks {packing}")
