@@ -267,7 +267,8 @@ class Monitor:
                 floats["grad_norm"] = torch.linalg.vector_norm(torch.stack([g.detach().float().norm() for g in grads]))
         group = getattr(self.optimizer, "param_groups", None)
         if group:
-            floats["lr"] = float(group[0].get("lr", float("nan")))
+            lr = group[0].get("lr")
+            floats["lr"] = lr if hasattr(lr, "detach") else float(lr) if lr is not None else None  # a tensor lr stays on the device
         for detector in self.detectors.grads:
             detector.grads(self)
 
@@ -459,6 +460,10 @@ def _to_host(pending: List[Micro], step_floats: Dict[int, Dict[str, Any]]) -> Di
     for slot in slots:
         groups.setdefault((slot[2].device, slot[3]), []).append(slot)
     for (device, kind), group in groups.items():
+        if device.type == "cpu":  # nothing to copy: read each value as it is
+            for target, key, tensor, _ in group:
+                target[key] = tensor.reshape(-1)[0].item()
+            continue
         dtype = torch.int64 if kind == "i" else torch.float32
         stacked = torch.stack([t.detach().reshape(-1)[0].to(dtype) for _, _, t, _ in group])
         for (target, key, _, _), value in zip(group, stacked.tolist()):  # the one device-to-host copy of this group

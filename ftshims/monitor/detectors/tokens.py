@@ -37,9 +37,11 @@ class TokenIdOutOfRange(Detector):
 
     def host_check(self, mon, input_ids, where: str) -> None:
         """Check CPU ids now (free); report and, by default policy, raise before they are used."""
+        import torch
+
         if self.rows is None or input_ids is None or not input_ids.numel():
             return
-        low, high = int(input_ids.min()), int(input_ids.max())
+        low, high = (int(v) for v in torch.aminmax(input_ids))
         if 0 <= low and high < self.rows:
             return
         message, detail = _message(low, high, self.rows, where)
@@ -64,8 +66,9 @@ class TokenIdOutOfRange(Detector):
         if ids.device.type == "cpu":
             self.host_check(mon, ids, "before the forward")
         else:
-            micro.ints["min_id"] = ids.min()
-            micro.ints["max_id"] = ids.max()
+            import torch
+
+            micro.ints["min_id"], micro.ints["max_id"] = torch.aminmax(ids)
 
     def read(self, mon, view) -> None:
         for values in view.values:
