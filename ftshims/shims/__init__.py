@@ -32,4 +32,5 @@ SHIM_IDS = (
     "accelerate_dispatch_resume_epoch",
     "trl_rl_scoring_position_ids",
     "num_items_in_batch_ignored",
+    "packing_recurrent_state",
 )

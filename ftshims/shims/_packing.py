@@ -48,6 +48,49 @@ FAMILIES: Dict[str, Tuple[str, str]] = {
 }
 
 EAGER_LIKE = ("eager", "sdpa")
+
+# 4.53+: decoder base models that build their masks without handing their position_ids to masking_utils
+# (read in the released modeling files), model_type -> (modeling module, base model class). The mask layer
+# cannot see their packing by itself; their forward hands the packed position ids down (packing_block_mask).
+POSITIONS_NOT_PASSED: Dict[str, Tuple[str, str]] = {
+    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssModel"),
+    "granitemoehybrid": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "GraniteMoeHybridModel"),
+}
+MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+
+# Hybrid decoders whose recurrent layers (gated delta rule, Mamba/Mamba2, short convolutions) run along the whole
+# row: model_type -> (base model class, recurrent layer classes), read in the released modeling files 4.53-5.24.
+# Their state runs on from one packed example into the next whatever the attention mask says
+# (packing_recurrent_state).
+RECURRENT: Dict[str, Tuple[str, Tuple[str, ...]]] = {
+    "qwen3_5": ("Qwen3_5TextModel", ("Qwen3_5GatedDeltaNet",)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextModel", ("Qwen3_5MoeGatedDeltaNet",)),
+    "qwen3_next": ("Qwen3NextModel", ("Qwen3NextGatedDeltaNet",)),
+    "olmo_hybrid": ("OlmoHybridModel", ("OlmoHybridGatedDeltaNet",)),
+    "lfm2": ("Lfm2Model", ("Lfm2ShortConv",)),
+    "lfm2_moe": ("Lfm2MoeModel", ("Lfm2MoeShortConv",)),
+    "bamba": ("BambaModel", ("BambaMixer",)),
+    "granitemoehybrid": ("GraniteMoeHybridModel", ("GraniteMoeHybridMambaLayer",)),
+    "falcon_h1": ("FalconH1Model", ("FalconH1Mixer",)),
+    "nemotron_h": ("NemotronHModel", ("NemotronHMamba2Mixer",)),
+    "zamba2": ("Zamba2Model", ("Zamba2MambaMixer",)),
+    "jamba": ("JambaModel", ("JambaMambaMixer",)),
+}
+
+# Recurrent models no shim separates (no tiny model here to prove it, or a layer this shim cannot split): the
+# doctor's packing finding names them.
+RECURRENT_UNCOVERED = ("mamba", "mamba2", "falcon_mamba", "recurrent_gemma", "zamba", "minimax", "kimi_linear", "xlstm",
+                       "rwkv")
+
+
+def modeling_module(model_type: str) -> str:
+    return f"transformers.models.{model_type}.modeling_{model_type}"
+# The attention implementations whose masks masking_utils builds from a mask function (sdpa_mask, eager_mask,
+# flex_attention_mask): a packed-sequence function reaches them. Flash attention gets no such mask (the
+# flash_attn_packing shim covers it).
+MASK_FUNCTION_ATTNS = ("eager", "sdpa", "flex_attention")
+# masking_utils (create_causal_mask & co., one mask builder for every decoder) appeared in 4.53.0
+MASK_LAYER_SINCE = (4, 53)
 FLASH = ("flash_attention_2", "flash_attention_3")
 
 ADDITIVE, BINARY, BOOL = "additive", "binary", "bool"
@@ -208,6 +251,12 @@ def allowed_from(mask, form: str):
 # Getting an additive 4D mask to the layers, on every version >= 4.37
 
 
+def mask_layer_era() -> bool:
+    """Whether this transformers builds decoder masks in ``masking_utils`` (4.53+): the packing shims then fix
+    packing there, once for every decoder, instead of family by family."""
+    return transformers_version().release[:2] >= MASK_LAYER_SINCE
+
+
 def mask_helper(model_class) -> str:
     """How a decoder base class builds its mask: ``create_causal_mask`` (>=4.53 masking_utils),
     ``update_causal_mask`` (its own ``_update_causal_mask``, 4.38+) or ``attn_mask_utils``
@@ -284,14 +333,15 @@ def traces_4d_mask(model_class) -> bool:
     return not needs_passthrough(model_class) and transformers_version().release[:2] >= (4, 44)
 
 
-def install_family(patcher, model_type: str, forward_wrapper) -> None:
+def install_family(patcher, model_type: str, forward_wrapper, wanted=None) -> None:
     """Wrap ``<Family>Model.forward`` when the family's modeling module is imported, and the
     mask code that would not take an additive 4D mask as-is (see :func:`needs_passthrough`).
 
     ``forward_wrapper(wrapped, instance, call, family)`` gets the call's
     arguments as one keyword dict (bound by :func:`ftshims._util.method_binder`) and the
     :class:`Family` facts read at install time; it returns ``wrapped(**call)``
-    with whatever it changed.
+    with whatever it changed. ``wanted(cls)``, when given, decides from the imported class
+    whether to wrap it at all.
     """
     from ..patching import require_params
     from ..spec import TargetMissing
@@ -302,6 +352,8 @@ def install_family(patcher, model_type: str, forward_wrapper) -> None:
         cls = vars(module).get(class_name)
         if cls is None:
             raise TargetMissing(f"{module_name}.{class_name} not found")
+        if wanted is not None and not wanted(cls):
+            return
         require_params(cls.forward, ("attention_mask", "position_ids"), f"{module_name}.{class_name}.forward")
         if needs_passthrough(cls):
             if mask_helper(cls) == "update_causal_mask":
@@ -416,36 +468,101 @@ def segment_logit_gap(model, examples, batch, **call) -> float:
     return gap
 
 
+_LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_conv_kernel_dim=4)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+               mamba_chunk_size=8)
+
+# model_type -> (config class, fields over tiny.TINY_LLAMA): the tiny text decoders of the packing probes and
+# tests. Sliding windows and attention chunks (4) are shorter than the examples (5 and 7 tokens), so that a
+# mask which loses them shows; hybrid models get one layer of each kind. Fields a release does not know are
+# kept as plain attributes by its config class.
+TINY_CONFIGS: Dict[str, Tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mixtral": ("MixtralConfig", dict(sliding_window=None, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(use_sliding_window=False, shared_expert_intermediate_size=32, **_MOE)),
+    "qwen3": ("Qwen3Config", dict(use_sliding_window=False, head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(use_sliding_window=False, head_dim=16, **_MOE)),
+    "phi3": ("Phi3Config", dict(sliding_window=None)),
+    "gemma": ("GemmaConfig", dict(head_dim=16)),
+    "granite": ("GraniteConfig", {}),
+    "olmo": ("OlmoConfig", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=None)),
+    "gemma2": ("Gemma2Config", dict(sliding_window=4, head_dim=16)),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=4, head_dim=16, layer_types=["sliding_attention", "full_attention"])),
+    "gemma4": ("Gemma4TextConfig", dict(sliding_window=4, head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                                        vocab_size_per_layer_input=128, hidden_size_per_layer_input=8)),
+    "cohere2": ("Cohere2Config", dict(sliding_window=4, head_dim=16, layer_types=["sliding_attention", "full_attention"])),
+    "llama4": ("Llama4TextConfig", dict(attention_chunk_size=4, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                                        intermediate_size_mlp=128, interleave_moe_layer_step=1, no_rope_layers=[1, 0])),
+    "gpt_oss": ("GptOssConfig", dict(sliding_window=4, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+                                             num_key_value_heads=4)),
+    "glm": ("GlmConfig", dict(head_dim=16)),
+    "glm4": ("Glm4Config", dict(head_dim=16)),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(layer_types=["linear_attention", "full_attention"], head_dim=16, **_LINEAR)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(layer_types=["linear_attention", "full_attention"], head_dim=16,
+                                                 shared_expert_intermediate_size=32, **_LINEAR, **_MOE)),
+    "qwen3_next": ("Qwen3NextConfig", dict(layer_types=["linear_attention", "full_attention"], head_dim=16,
+                                           shared_expert_intermediate_size=32, **_LINEAR, **_MOE)),
+    "olmo_hybrid": ("OlmoHybridConfig", dict(layer_types=["linear_attention", "full_attention"], **_LINEAR)),
+    "lfm2": ("Lfm2Config", dict(layer_types=["conv", "full_attention"], conv_L_cache=3)),
+    "lfm2_moe": ("Lfm2MoeConfig", dict(layer_types=["conv", "full_attention"], conv_L_cache=3, num_dense_layers=1, **_MOE)),
+    "falcon_h1": ("FalconH1Config", dict(head_dim=16, mamba_d_ssm=128, **_MAMBA2)),
+    "nemotron_h": ("NemotronHConfig", dict(layers_block_type=["mamba", "attention"], mamba_num_heads=8, mamba_head_dim=16,
+                                           n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2, chunk_size=8, head_dim=16)),
+    "zamba2": ("Zamba2Config", dict(layers_block_type=["mamba", "hybrid"], mamba_headdim=16, mamba_ngroups=1, mamba_d_state=8,
+                                    mamba_d_conv=4, mamba_expand=2, chunk_size=8, num_mem_blocks=1, hybrid_layer_ids=[1])),
+    "bamba": ("BambaConfig", dict(attn_layer_indices=[1], **_MAMBA2)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(layer_types=["mamba", "attention"], num_local_experts=4,
+                                                        num_experts_per_tok=2, **_MAMBA2)),
+    "jamba": ("JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                  num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                                  mamba_dt_rank=8, use_mamba_kernels=False)),
+}
+
+
 def tiny_decoder(family: str = "llama", attn: str = "eager", seed: int = 0):
-    """A tiny random decoder of ``family`` in train() mode (dropout is 0 in these configs)."""
+    """A tiny random decoder of ``family`` (a :data:`TINY_CONFIGS` key) in train() mode (dropout is 0 in
+    these configs). ProbeUnsupported when this transformers has no such model."""
     from .. import tiny
 
-    if family == "llama":
-        model = tiny.tiny_llama(attn=attn, seed=seed)
-    elif family == "mistral":
-        model = tiny.causal_lm("MistralConfig", attn=attn, seed=seed, sliding_window=None, **_small())
-    elif family == "qwen2":
-        model = tiny.causal_lm("Qwen2Config", attn=attn, seed=seed, use_sliding_window=False, **_small())
-    else:
-        raise ValueError(f"no tiny config for {family!r}")
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"no tiny config for {family!r}; known: {', '.join(TINY_CONFIGS)}")
+    if not family_available(family):
+        from ..spec import ProbeUnsupported
+
+        raise ProbeUnsupported(f"transformers {transformers_version()} has no {family} model")
+    config_class, fields = TINY_CONFIGS[family]
+    overrides = {} if family == "llama" else dict(tiny.TINY_LLAMA)
+    overrides.update(fields)
+    model = tiny.causal_lm(config_class, attn=attn, seed=seed, **overrides)
     model.train()
     return model
 
 
-def _small():
-    from .. import tiny
-
-    return dict(tiny.TINY_LLAMA)
-
-
 def family_available(family: str) -> bool:
+    """Whether this transformers ships ``family``'s modeling file and the config class of its tiny decoder."""
     import importlib.util
 
-    module_name = FAMILIES[family][0]
+    module_name = FAMILIES[family][0] if family in FAMILIES else f"transformers.models.{family}.modeling_{family}"
     try:
-        return importlib.util.find_spec(module_name) is not None
+        if importlib.util.find_spec(module_name) is None:
+            return False
     except (ImportError, ValueError):
         return False
+    if family not in TINY_CONFIGS:
+        return True
+    import transformers
+
+    return hasattr(transformers, TINY_CONFIGS[family][0])
 
 
 # ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ VERSION = _packing.transformers_version()
 IN_RANGE = VERSION.release[:2] >= (4, 37)
 # upstream builds the block mask itself from 4.53.1, only with no 2D mask and no cache (PR #39194)
 UPSTREAM_DETECTS = VERSION.release >= (4, 53, 1)
+MASK_LAYER = _packing.mask_layer_era()  # 4.53+: the fix sits in masking_utils, for every decoder built there
 
 below_437 = pytest.mark.skipif(
     not IN_RANGE,
@@ -67,6 +68,39 @@ def test_trainer_with_data_collator_with_flattening(evidence, attn):
     assert_bug_and_fix(SHIM, evidence, f"trainer_flattening/{attn}", expect_bug=VERSION.major < 5, attn=attn, path="trainer")
 
 
+# One tiny model of each decoder family the issue names (and the 13 of the per-family route): on 4.53+ their
+# masks come from masking_utils, where the shim now acts; sliding windows and attention chunks (4) are shorter
+# than the examples. Hybrid families (Qwen3.5, ...) also need packing_recurrent_state: tested there.
+ATTENTION_FAMILIES = list(_packing.FAMILIES) + [
+    "gemma2", "gemma3", "gemma4", "cohere2", "llama4", "gpt_oss", "deepseek_v3", "glm", "glm4",
+]
+EAGER_ONLY = ("gemma2", "gpt_oss")  # no sdpa for these in 5.x
+
+
+def _family_attn(family):
+    if not _packing.family_available(family):
+        pytest.skip(f"transformers {VERSION} has no {family}")
+    if not MASK_LAYER and family not in _packing.FAMILIES:
+        pytest.skip(f"transformers {VERSION} builds no shared masks (masking_utils is 4.53+): the per-family route "
+                    f"covers the {len(_packing.FAMILIES)} families of _packing.FAMILIES only")
+    return "eager" if family in EAGER_ONLY else "sdpa"
+
+
+@below_437
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
+def test_every_family_isolated_with_an_all_ones_mask_and_the_default_cache(evidence, family):
+    attn = _family_attn(family)
+    assert_bug_and_fix(SHIM, evidence, f"{family}/{attn}/ones", expect_bug=True, family=family, attn=attn, mask="ones")
+
+
+@below_437
+@pytest.mark.parametrize("family", ["gemma3", "llama4"])
+def test_per_layer_masks_keep_padding(evidence, family):
+    # sliding (gemma3) and chunked (llama4) layers, with a second, right-padded row
+    attn = _family_attn(family)
+    assert_bug_and_fix(SHIM, evidence, f"{family}/{attn}/padded", expect_bug=True, family=family, attn=attn, mask="padded")
+
+
 def _separate_losses(model, examples):
     out = []
     for example in examples:
@@ -109,48 +143,71 @@ def test_logits_loss_and_grads_equal_separate_examples(attn):
         torch.testing.assert_close(packed_grads[name], separate_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+UNHARMED = ["llama", "gemma3", "llama4", "gpt_oss"]  # one mask, sliding, chunked, positions handed down
+
+
 @below_437
-def test_unpacked_batches_are_bit_identical_and_untouched():
-    model = _packing.tiny_decoder("llama", "sdpa")
+@pytest.mark.parametrize("family", UNHARMED)
+def test_unpacked_batches_are_bit_identical_and_untouched(family):
+    model = _packing.tiny_decoder(family, _family_attn(family))
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # what generate() computes: restarts after padding
-    cases = [dict(input_ids=ids), dict(input_ids=ids, attention_mask=mask), dict(input_ids=ids, attention_mask=mask, position_ids=position_ids)]
+    left = torch.ones_like(ids)
+    left[1, :3] = 0  # left padding
+    right = torch.ones_like(ids)
+    right[1, -3:] = 0  # right padding, the padding's positions 0 (a padding-free collator's style)
+    generate_style = (left.cumsum(-1) - 1).clamp(min=0)  # restarts after padding, as generate() computes
+    right_style = torch.arange(9).expand(2, -1) * right
+    cases = [
+        dict(input_ids=ids),
+        dict(input_ids=ids, attention_mask=left),
+        dict(input_ids=ids, attention_mask=left, position_ids=generate_style),
+        dict(input_ids=ids, attention_mask=right, position_ids=right_style),
+        dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(9)[None], use_cache=False),
+    ]
     with torch.no_grad():
         before = [model(**case).logits for case in cases]
         with ftshims.applied(only=[SHIM]):
             after = [model(**case).logits for case in cases]
+            assert not ftshims.status()[SHIM].actions
     for b, a in zip(before, after):
         assert torch.equal(b, a)
 
 
 @below_437
-def test_generation_unchanged():
-    model = _packing.tiny_decoder("llama", "sdpa").eval()
-    prompt = torch.tensor([[5, 6, 7, 8]])
+@pytest.mark.parametrize("family", UNHARMED)
+def test_generation_unchanged(family):
+    model = _packing.tiny_decoder(family, _family_attn(family)).eval()
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 11, 12, 13, 14]])
+    mask = (prompt != 0).long()
     with torch.no_grad():
-        plain = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        plain = model.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
         with ftshims.applied(only=[SHIM]):
-            shimmed = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+            shimmed = model.generate(prompt, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(plain, shimmed)
 
 
 @below_437
-def test_sliding_window_longer_than_an_example_is_left_alone(caplog):
+def test_sliding_window_longer_than_an_example(caplog):
+    # A window shorter than an example: one 4D mask cannot express it, so the per-family route (4.37-4.52)
+    # leaves the batch alone and says so; the mask layer (4.53+) applies the window per example.
     if not _packing.family_available("mistral"):
         pytest.skip("no mistral")
     from ftshims import tiny
 
     model = tiny.causal_lm("MistralConfig", attn="eager", sliding_window=4, **dict(tiny.TINY_LLAMA)).train()
     examples = _packing.example_pair()
-    batch = {k: v for k, v in _packing.packed_batch(examples, mask="ones").items() if k != "labels"}
+    batch = _packing.packed_batch(examples, mask="ones")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
-        before = model(**batch).logits
+        before = model(**inputs).logits
         with ftshims.applied(only=[SHIM]):
-            after = model(**batch).logits
-    assert torch.equal(before, after)
-    assert "sliding window" in caplog.text
+            after = model(**inputs).logits
+            gap = _packing.segment_logit_gap(model, examples, batch)
+    if MASK_LAYER:
+        assert gap < 1e-5 and "sliding window" not in caplog.text
+    else:
+        assert torch.equal(before, after)
+        assert "sliding window" in caplog.text
 
 
 def test_segments_detection():
@@ -186,13 +243,19 @@ def test_mask_is_additive_in_the_model_dtype(dtype):
 
 @below_437
 def test_revert_restores_the_original_forward():
-    from transformers.models.llama import modeling_llama
+    if MASK_LAYER:
+        from transformers import masking_utils as owner
 
-    original = modeling_llama.LlamaModel.__dict__["forward"]
+        name = "_preprocess_mask_arguments"
+    else:
+        from transformers.models.llama.modeling_llama import LlamaModel as owner
+
+        name = "forward"
+    original = owner.__dict__[name]
     ftshims.apply(only=[SHIM])
-    assert modeling_llama.LlamaModel.__dict__["forward"] is not original
+    assert owner.__dict__[name] is not original
     ftshims.revert(only=[SHIM])
-    assert modeling_llama.LlamaModel.__dict__["forward"] is original
+    assert owner.__dict__[name] is original
 
 
 @pytest.mark.skipif(IN_RANGE, reason="checks the gate below transformers 4.37")
