@@ -413,11 +413,49 @@ def _shim_sentence(state: Dict[str, Any]) -> str:
     return f"ftshims' `{state['id']}` shim would fix it but is not applied here: {state['why']}"
 
 
+def _recurrent_packing(ctx, train, pack) -> None:
+    """A hybrid model's recurrent layers carry state across packed examples whatever the attention (flash too):
+    name the model and its layers, and say whether packing_recurrent_state separates them."""
+    from ..shims import _packing
+
+    config = ctx.model_config or {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    model_type = str(config.get("model_type") or "")
+    kinds = [str(t) for c in (config, text) for t in (c.get("layer_types") or c.get("layers_block_type") or [])]
+    recurrent = sorted({t for t in kinds if t in ("linear_attention", "mamba", "conv", "hybrid")})
+    covered = _packing.RECURRENT.get(model_type) or _packing.RECURRENT.get(str(text.get("model_type") or "").replace("_text", ""))
+    if covered is None and not recurrent and model_type not in _packing.RECURRENT_UNCOVERED:
+        return
+    what = f"{'packing' if pack['enabled'] else 'padding_free'} with a {model_type or 'hybrid'} model: its recurrent layers"
+    what += f" ({', '.join(covered[1])})" if covered else (f" (layer types {', '.join(recurrent)})" if recurrent else "")
+    what += (" carry their state from one packed example into the next whatever the attention mask or implementation "
+             "(flash attention included)")
+    if covered is None:
+        ctx.add(finding("packing-contamination", what + "; no ftshims shim separates them for this model.",
+                        "pass seq_idx / cu_seq_lens_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True, "
+                        "return_seq_idx=True)) to the optimised kernels (flash-linear-attention, mamba-ssm, "
+                        "causal-conv1d), or packing: false", severity=WARNING, file=train.path, key=pack["key"]))
+        return
+    state = ctx.shim_state("packing_recurrent_state")
+    if state["registered"] and state["affected"] and state["applies"]:
+        ctx.add(finding("packing-contamination", what + "; ftshims' `packing_recurrent_state` runs them once per "
+                        "example when ftshims.apply() runs in the training process (not inside torch.compile, where "
+                        "they keep leaking).", "keep the shim applied; do not torch.compile the model while packing",
+                        severity=INFO, file=train.path, key=pack["key"]))
+        return
+    ctx.add(finding("packing-contamination", what + ("; ftshims' `packing_recurrent_state` would run them per example "
+                    f"but is not applied here: {state['why']}" if state["registered"] and state["affected"] else "."),
+                    "apply ftshims (transformers >= 4.53), or packing: false",
+                    severity=ERROR if state["registered"] and state["affected"] else WARNING, file=train.path,
+                    key=pack["key"]))
+
+
 @_with_training_config
 def check_packing(ctx, train) -> None:
     pack = train.packing()
     if not pack["enabled"] and not pack["padding_free"]:
         return
+    _recurrent_packing(ctx, train, pack)
     attn, attn_from = train.attn_implementation(ctx.model_config)
     attn = _effective_attn(ctx, attn)
     key = pack["key"]
