@@ -1,8 +1,9 @@
 """Training forwards on right-padded batches raise a generation-only error under flash_attention_2.
 
 Why: with ``attn_implementation="flash_attention_2"`` the base models of
-Mistral, Mixtral, Qwen2, Qwen2-MoE, Starcoder2, Phi-3, Qwen3, Qwen3-MoE and
-PhiMoE run a check meant for batched generation in *every* forward::
+Mistral, Mixtral, Qwen2, Qwen2-MoE, Starcoder2, Phi-3, Qwen3, Qwen3-MoE,
+PhiMoE and JetMoe, and the text decoders of Qwen2-VL and Qwen2.5-VL, run a
+check meant for batched generation in *every* forward::
 
     if attention_mask is not None and <flash> and use_cache:          # 4.36-4.47
     if attention_mask is not None and past_key_values is not None:    # 4.48+
@@ -24,7 +25,11 @@ Where the check is (``FAMILIES``, read in the released wheels 4.36.0-4.57.6
 and 5.0.0): Mistral 4.36-4.52; Mixtral 4.36-4.41 and 4.48-4.52; Qwen2 4.37-4.41
 and 4.49-4.52; Qwen2-MoE 4.40-4.41 and 4.48-4.57; Starcoder2 4.39-4.41 and
 4.48-4.52; Phi-3 4.41 and 4.48-4.52; Qwen3 and Qwen3-MoE 4.51-4.52; PhiMoE
-4.48-4.57. None in 5.0.
+4.48-4.57; JetMoe 4.41.0-4.56.1 (``JetMoeModel.forward``, ``... and use_cache``;
+gone in 4.56.2, not in 4.56.0 as the advisory first said); Qwen2-VL 4.48-4.52 and
+Qwen2.5-VL 4.49-4.52 (``_update_causal_mask`` of ``Qwen2VLModel`` /
+``Qwen2_5_VLModel``, the decoder, in 4.48-4.51, of ``*TextModel`` in 4.52;
+4.45-4.47 Qwen2-VL has no check). None in 5.0.
 
 The fix: wrap ``forward`` of those base models, on those versions, and run it with
 ``use_cache=False`` exactly when upstream would raise for a training forward:
@@ -47,8 +52,8 @@ cache would really be built from right-padded keys. Not covered: eval-mode
 forwards that only compute a loss (``Trainer.evaluate``, a frozen reference
 model's log-probs) also raise upstream, but cannot be told apart from a manual
 prefill, for which the check is right; pass ``use_cache=False`` there. Also not
-covered: Qwen2-VL / Qwen2.5-VL (4.48-4.52) and JetMoe (4.41-4.55), which have
-the same check, and 4.34.x, whose Mistral check ignores ``use_cache``.
+covered: 4.34.x, whose Mistral check ignores ``use_cache``. (JetMoe, Qwen2-VL and
+Qwen2.5-VL since ftshims 0.2.0.)
 
 Flash attention needs a GPU: the CPU tests run transformers' real flash
 attention code with the pure-PyTorch stand-in kernels of
@@ -71,30 +76,40 @@ from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 _BREAK_4_42_TO_4_47 = ",!=4.42.*,!=4.43.*,!=4.44.*,!=4.45.*,!=4.46.*,!=4.47.*"
 
-# model_type -> (modeling module, base model class, transformers versions whose code has the check).
-# Read in the released wheels 4.36.0-4.57.6 and 5.0.0 (see the shim's report for the lines).
+# model_type -> (modeling module, ((decoder class, transformers versions whose code has the check in it), ...)).
+# Read in the released wheels 4.36.0-4.57.6 and 5.0.0 (see the shim's report for the lines). Qwen2-VL and
+# Qwen2.5-VL moved their decoder to *TextModel in 4.52 (the *Model name became the whole VLM there).
 FAMILIES = {
-    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralModel", ">=4.36,<4.53"),
-    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "MixtralModel", ">=4.36,<4.53" + _BREAK_4_42_TO_4_47),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2Model", ">=4.37,<4.53" + _BREAK_4_42_TO_4_47 + ",!=4.48.*"),
-    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeModel", ">=4.40,<5.0" + _BREAK_4_42_TO_4_47),
-    "starcoder2": ("transformers.models.starcoder2.modeling_starcoder2", "Starcoder2Model", ">=4.39,<4.53" + _BREAK_4_42_TO_4_47),
-    "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3Model", ">=4.41,<4.53" + _BREAK_4_42_TO_4_47),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3Model", ">=4.51,<4.53"),
-    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeModel", ">=4.51,<4.53"),
-    "phimoe": ("transformers.models.phimoe.modeling_phimoe", "PhimoeModel", ">=4.48,<5.0"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", (("MistralModel", ">=4.36,<4.53"),)),
+    "mixtral": ("transformers.models.mixtral.modeling_mixtral", (("MixtralModel", ">=4.36,<4.53" + _BREAK_4_42_TO_4_47),)),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", (("Qwen2Model", ">=4.37,<4.53" + _BREAK_4_42_TO_4_47 + ",!=4.48.*"),)),
+    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", (("Qwen2MoeModel", ">=4.40,<5.0" + _BREAK_4_42_TO_4_47),)),
+    "starcoder2": ("transformers.models.starcoder2.modeling_starcoder2", (("Starcoder2Model", ">=4.39,<4.53" + _BREAK_4_42_TO_4_47),)),
+    "phi3": ("transformers.models.phi3.modeling_phi3", (("Phi3Model", ">=4.41,<4.53" + _BREAK_4_42_TO_4_47),)),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", (("Qwen3Model", ">=4.51,<4.53"),)),
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", (("Qwen3MoeModel", ">=4.51,<4.53"),)),
+    "phimoe": ("transformers.models.phimoe.modeling_phimoe", (("PhimoeModel", ">=4.48,<5.0"),)),
+    # JetMoeModel.forward, `... and use_cache`, 4.41.0 (line 1098) through 4.56.1 (941); gone in 4.56.2
+    "jetmoe": ("transformers.models.jetmoe.modeling_jetmoe", (("JetMoeModel", ">=4.41,<4.56.2"),)),
+    # _update_causal_mask, `past_key_values is not None` (forward: DynamicCache() when use_cache): 4.48.0 (1174)-4.52.4
+    "qwen2_vl": ("transformers.models.qwen2_vl.modeling_qwen2_vl",
+                 (("Qwen2VLModel", ">=4.48,<4.52"), ("Qwen2VLTextModel", ">=4.52,<4.53"))),
+    "qwen2_5_vl": ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+                   (("Qwen2_5_VLModel", ">=4.49,<4.52"), ("Qwen2_5_VLTextModel", ">=4.52,<4.53"))),
 }
+# (module, class, versions) for every class that has the check somewhere: the targets.
+CHECKED = tuple((module, cls, checked) for module, classes in FAMILIES.values() for cls, checked in classes)
 
 PARAMS = ("attention_mask", "past_key_values", "use_cache")
 
 SPEC = ShimSpec(
     id="fa2_right_padding_in_training",
-    since="0.1.0",
+    since="0.2.0",
     title="Training forwards on right-padded batches raise the 'batched generation with padding_side=right' error "
     "under flash_attention_2",
     symptom="the first training step on a right-padded batch fails with `ValueError: You are attempting to perform "
     "batched generation with padding_side='right' ... Flash Attention version of <Model>` (Mistral, Mixtral, Qwen2, "
-    "Qwen2-MoE, Starcoder2, Phi-3, Qwen3, Qwen3-MoE, PhiMoE)",
+    "Qwen2-MoE, Starcoder2, Phi-3, Qwen3, Qwen3-MoE, PhiMoE, JetMoe, Qwen2-VL, Qwen2.5-VL)",
     why="A check meant for cached generation runs in every forward whenever use_cache is true, the config default, "
     "so training on right-padded batches under flash attention raises although it is correct (the kernel unpads). "
     "The shim runs such training forwards with use_cache=False, as TRL's own trainers do (4.53 dropped the check "
@@ -116,7 +131,7 @@ SPEC = ShimSpec(
     "shim keeps the check for generation. TRL's trainers still pass use_cache=False (trl 1.16.0 dpo_trainer.py); no "
     "regression report against the workaround found.",
     targets=tuple(
-        Target(module, f"{cls}.forward", params=PARAMS, when=checked) for module, cls, checked in FAMILIES.values()
+        Target(module, f"{cls}.forward", params=PARAMS, when=checked) for module, cls, checked in CHECKED
     ),
     modules=("transformers",),
 )
@@ -177,7 +192,7 @@ def install(patcher, options) -> None:
     version = installed_version("transformers")
     # 4.36.0 and 4.36.1 check before the gradient-checkpointing reset; 4.36.2 and later after it.
     checkpointing_resets_first = in_range(version, ">=4.36.2")
-    wanted = [(module, cls) for module, cls, checked in FAMILIES.values() if in_range(version, checked)]
+    wanted = [(module, cls) for module, cls, checked in CHECKED if in_range(version, checked)]
     if not wanted:
         raise TargetMissing(f"transformers {version}: no family with the check")
     for module_name, class_name in wanted:
@@ -196,7 +211,8 @@ def has_check(family: str) -> bool:
     """Whether the installed transformers' ``family`` base model has the check (per ``FAMILIES``)."""
     from ..versions import in_range, installed_version
 
-    return family in FAMILIES and in_range(installed_version("transformers"), FAMILIES[family][2])
+    version = installed_version("transformers")
+    return family in FAMILIES and any(in_range(version, checked) for _, checked in FAMILIES[family][1])
 
 
 # ---------------------------------------------------------------------------
@@ -216,7 +232,18 @@ CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(use_sliding_window=False, head_dim=16, num_experts=4,
                                          moe_intermediate_size=32, **_MOE)),
     "phimoe": ("PhimoeConfig", dict(sliding_window=None, num_local_experts=4, **_MOE)),
+    # JetMoe: 2 key/value heads x 2 experts per token = TINY_LLAMA's 4 query heads of 16 channels
+    "jetmoe": ("JetMoeConfig", dict(kv_channels=16, num_local_experts=4, **_MOE)),
+    # Qwen2-VL / Qwen2.5-VL: the whole VLM (a one-block vision tower), trained on text rows; M-RoPE sections of the
+    # 16-channel heads. Text fields at the top level: 4.48-4.51 configs are flat, 4.52+ build text_config from them.
+    "qwen2_vl": ("Qwen2VLConfig", dict(use_sliding_window=False, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(use_sliding_window=False,
+                                            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})),
 }
+# Families whose causal LM is a vision-language model: built from the config class's *ForConditionalGeneration.
+VLM_VISION = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=1, in_channels=3, out_hidden_size=64)
+VLM = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 MESSAGE = "batched generation with padding_side='right'"
 LENGTH, REAL = 8, 5  # two rows of 8 tokens; the padded row has 5 real ones
@@ -236,6 +263,8 @@ def tiny_model(family: str, attn: str = "sdpa", seed: int = 0):
         raise ProbeUnsupported(f"this transformers has no {CONFIGS[family][0]}")
     config_class, fields = CONFIGS[family]
     fields = dict(tiny.TINY_LLAMA, **fields)
+    if family in VLM:
+        return _tiny_vlm(family, config_class, fields, attn, seed).train()
     try:
         model = tiny.causal_lm(config_class, attn=attn, seed=seed, **fields)
     except ValueError:  # a family without sdpa on this version (Phi-3 before 4.44): the same weights, eager
@@ -265,26 +294,54 @@ def batch(padding: str = "right", seed: int = 0):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def _tiny_vlm(family, config_class, fields, attn, seed):
+    import torch
+    import transformers
+
+    from .. import tiny
+
+    config = getattr(transformers, config_class)(**fields, vision_config=dict(VLM_VISION), image_token_id=120,
+                                                 video_token_id=121, vision_start_token_id=122)
+    torch.manual_seed(seed)
+    with tiny.quiet():
+        return getattr(transformers, VLM[family])._from_config(config, attn_implementation=attn)
+
+
+def decoder(model):
+    """The module whose ``forward`` has the check: the causal LM's decoder (``get_decoder()``: JetMoe's
+    ``base_model_prefix`` names no attribute), for a 4.52+ VLM its ``language_model``."""
+    get = getattr(model, "get_decoder", None)
+    found = get() if callable(get) else model.base_model
+    return getattr(found, "language_model", found)
+
+
+def _attention(layer):
+    return getattr(layer, "self_attn", None) or layer.self_attention  # JetMoe calls it self_attention
+
+
 def make_flash(model):
     """Switch a tiny model built with sdpa/eager to transformers' flash_attention_2 code path, as
     ``from_pretrained(attn_implementation="flash_attention_2")`` would (which refuses without flash-attn):
-    4.36-4.47 and Qwen2-MoE/PhiMoE choose an attention class at init (swapped here), 4.48+ dispatch by
-    the config's name at call time. Run it under :func:`stand_in`."""
+    4.36-4.47, JetMoe, Qwen2-VL and Qwen2-MoE/PhiMoE choose an attention class at init (swapped here), 4.48+
+    dispatch by the config's name at call time. Run it under :func:`stand_in`."""
     import sys
 
-    base = model.base_model
+    base = decoder(model)
     modeling = sys.modules[type(base).__module__]
-    classes = next((v for k, v in vars(modeling).items() if k.endswith("_ATTENTION_CLASSES") and isinstance(v, dict)), None)
+    current = type(_attention(base.layers[0]))
+    # the text decoder's table (Qwen2-VL also has one for its vision tower): the one holding the current class
+    classes = next((v for k, v in vars(modeling).items()
+                    if k.endswith("_ATTENTION_CLASSES") and isinstance(v, dict) and current in v.values()), None)
     flash_class = classes.get(FLASH) if classes else None
     if flash_class is not None:
         for layer in base.layers:
-            layer.self_attn.__class__ = flash_class
-            layer.self_attn._flash_attn_uses_top_left_mask = False
-    config = model.config
-    if hasattr(config, "_attn_implementation_internal") and flash_class is not None:
-        config._attn_implementation_internal = FLASH
-    else:
-        config._attn_implementation = FLASH
+            _attention(layer).__class__ = flash_class
+            _attention(layer)._flash_attn_uses_top_left_mask = False
+    for config in {id(c): c for c in (model.config, base.config)}.values():  # 4.52 VLMs: the text_config too
+        if hasattr(config, "_attn_implementation_internal") and flash_class is not None:
+            config._attn_implementation_internal = FLASH
+        else:
+            config._attn_implementation = FLASH
     own = vars(base)
     if "_use_flash_attention_2" in own:  # 4.36
         base._use_flash_attention_2 = True
@@ -315,7 +372,7 @@ def stand_in(model):
 
     @contextlib.contextmanager
     def scope():
-        modeling = sys.modules[type(model.base_model).__module__]
+        modeling = sys.modules[type(decoder(model)).__module__]
         source = inspect.getsource(modeling)
         try:
             utils = importlib.import_module("transformers.modeling_flash_attention_utils")
