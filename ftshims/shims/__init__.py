@@ -33,4 +33,5 @@ SHIM_IDS = (
     "trl_rl_scoring_position_ids",
     "num_items_in_batch_ignored",
     "packing_recurrent_state",
+    "nonpersistent_buffers_uninitialized",
 )
