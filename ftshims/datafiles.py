@@ -44,6 +44,14 @@ def evidence_stacks() -> List[str]:
     return [name for name, info in stacks().items() if info.get("evidence", True)]
 
 
+DEFAULT_TORCH = "2.13.0"  # the torch every stack runs on unless it names its own (``torch = "2.15.0"``)
+
+
+def torch_version(stack: str) -> str:
+    """The torch release a stack runs on (its ``torch`` key, else :data:`DEFAULT_TORCH`)."""
+    return stacks()[stack].get("torch") or DEFAULT_TORCH
+
+
 def pinned_versions(stack: str) -> Dict[str, str]:
     """``{distribution: version}`` of a stack's ``==`` pins."""
     return dict(pin.split("==", 1) for pin in stacks()[stack]["pins"] if "==" in pin)

@@ -1,10 +1,12 @@
 """Is the installed stack one the test suite runs on? The report's ``tested_stack`` section.
 
 ``ftshims/data/stacks.toml`` pins every tested stack. The installed versions are compared with each
-stack's pins of :data:`COMPARED` (torch is not pinned there: every stack runs on the same torch). When
-none matches exactly, the nearest stacks are named: smallest transformers distance first, then peft,
-trl, accelerate, datasets. The shims' ranges are evaluated on the installed versions either way; an
-untested combination only means no test run backs those verdicts.
+stack's pins of :data:`COMPARED`, torch included: a stack runs on torch 2.13.0 unless it names its own
+(``datafiles.torch_version``; ``t5_24`` and ``t5_24_torch215`` differ only there), and torch's local
+label (``+cpu``, ``+cu132``) is not part of the comparison. When none matches exactly, the nearest
+stacks are named: smallest transformers distance first, then peft, trl, accelerate, datasets, torch.
+The shims' ranges are evaluated on the installed versions either way; an untested combination only
+means no test run backs those verdicts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
 
-COMPARED = ("transformers", "peft", "trl", "accelerate", "datasets")
+COMPARED = ("transformers", "peft", "trl", "accelerate", "datasets", "torch")
 
 EXACT = "exact"
 UNTESTED = "untested"
@@ -87,7 +89,7 @@ def tested_stack(installed: Mapping[str, Optional[str]]) -> Dict[str, Any]:
     from .. import datafiles
 
     try:
-        stacks = {name: datafiles.pinned_versions(name) for name in datafiles.stacks()}
+        stacks = {name: dict(datafiles.pinned_versions(name), torch=datafiles.torch_version(name)) for name in datafiles.stacks()}
     except (RuntimeError, OSError, ValueError, KeyError) as exc:  # RuntimeError: no tomllib before Python 3.11
         section = empty()
         section.update(status=UNKNOWN, compared={name: installed.get(name) for name in COMPARED})

@@ -718,11 +718,29 @@ def test_tested_stack_on_the_real_stacks_file():
     from ftshims import datafiles
 
     default = datafiles.default_stack()
-    section = stacks_mod.tested_stack(datafiles.pinned_versions(default))
+    section = stacks_mod.tested_stack(dict(datafiles.pinned_versions(default), torch="2.13.0+cpu"))
     assert section["status"] == "exact" and default in section["stacks"]
-    near = dict(datafiles.pinned_versions("t4_56"), transformers="4.55.4")
+    near = dict(datafiles.pinned_versions("t4_56"), transformers="4.55.4", torch="2.13.0")
     section = stacks_mod.tested_stack(near)
     assert section["status"] == "untested" and section["stacks"] == ["t4_56"]
+
+
+def test_tested_stack_tells_the_stacks_apart_by_torch():
+    """t5_24 and t5_24_torch215 pin the same Hugging Face stack: torch decides which one was tested."""
+    from ftshims import datafiles
+
+    hf = datafiles.pinned_versions("t5_24")
+    assert hf == datafiles.pinned_versions("t5_24_torch215")
+    section = stacks_mod.tested_stack(dict(hf, torch="2.15.0+cu132"))
+    assert section["status"] == "exact" and section["stacks"] == ["t5_24_torch215"]
+    assert "exactly the tested stack t5_24_torch215" in section["message"] and "torch 2.15.0+cu132" in section["message"]
+    section = stacks_mod.tested_stack(dict(hf, torch="2.13.0+cpu"))
+    assert section["status"] == "exact" and section["stacks"] == ["t5_24"]
+    section = stacks_mod.tested_stack(dict(hf, torch="2.14.1"))  # between the two: 2.15.0 is nearer
+    assert section["status"] == "untested" and section["stacks"] == ["t5_24_torch215"]
+    assert "torch 2.14.1 here, 2.15.0 tested" in section["message"]
+    section = stacks_mod.tested_stack(dict(datafiles.pinned_versions(datafiles.default_stack()), torch="2.15.0"))
+    assert section["status"] == "untested" and "torch 2.15.0 here, 2.13.0 tested" in section["message"]
 
 
 def test_tested_stack_is_unknown_without_tomllib(monkeypatch):
