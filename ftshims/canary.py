@@ -31,7 +31,19 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from . import registry
 from .versions import in_range
 
-CACHE = Path(__file__).resolve().parent.parent / ".nox" / ".canary-cache"
+
+def cache_dir() -> Path:
+    """Where downloaded releases are kept: ``FTSHIMS_CANARY_CACHE`` if set, else the user's cache directory
+    (``$XDG_CACHE_HOME/ftshims/canary``, else ``~/.cache/ftshims/canary``). Never inside the package:
+    an installed ftshims lives in site-packages."""
+    from .settings import parse_canary_cache
+
+    chosen = parse_canary_cache()  # ValueError for a path that is a file
+    if chosen:
+        return Path(chosen)
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"  # the XDG spec ignores relative paths
+    return base / "ftshims" / "canary"
 
 
 @dataclass
@@ -253,7 +265,8 @@ def tracked_versions(package: str) -> List[str]:
     return sorted(versions)
 
 
-def run(include_newest: bool = True, cache: Path = CACHE, log=print) -> List[Finding]:
+def run(include_newest: bool = True, cache: Optional[Path] = None, log=print) -> List[Finding]:
+    cache = cache_dir() if cache is None else Path(cache)
     findings: List[Finding] = []
     by_package: Dict[str, List] = {}
     for shim in registry.shims().values():
@@ -311,7 +324,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ftshims.canary", description=__doc__.splitlines()[0])
     parser.add_argument("--tracked-only", action="store_true", help="skip the newest releases")
     args = parser.parse_args(argv)
-    text, code = report(run(include_newest=not args.tracked_only))
+    try:
+        cache = cache_dir()
+    except ValueError as exc:  # FTSHIMS_CANARY_CACHE names a file
+        parser.error(str(exc))
+    text, code = report(run(include_newest=not args.tracked_only, cache=cache))
     print(text)
     return code
 

@@ -44,6 +44,8 @@ ROTARY_BACKENDS = ("auto", "cpu", "cuda", "reference")
 # The training health monitor (ftshims.monitor): attach it to every Trainer, and where its JSON lines go.
 MONITOR_ENV = "FTSHIMS_MONITOR"
 MONITOR_LOG_ENV = "FTSHIMS_MONITOR_LOG"
+# The drift canary's download folder (ftshims.canary; default: the user's cache directory).
+CANARY_CACHE_ENV = "FTSHIMS_CANARY_CACHE"
 
 
 def invalid(setting: str, given: Any, problem: str, allowed: Sequence[Any]) -> ValueError:
@@ -264,6 +266,20 @@ def parse_monitor_log(raw: Optional[str] = None, setting: str = MONITOR_LOG_ENV)
     return path
 
 
+def parse_canary_cache(raw: Optional[str] = None) -> Optional[str]:
+    """``FTSHIMS_CANARY_CACHE``: the folder the drift canary downloads releases into (created on use), or None
+    (unset or empty: ``$XDG_CACHE_HOME/ftshims/canary``, else ``~/.cache/ftshims/canary``). It must not be an
+    existing file."""
+    raw = os.environ.get(CANARY_CACHE_ENV, "") if raw is None else raw
+    text = raw.strip()
+    if not text:
+        return None
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise invalid(f"{CANARY_CACHE_ENV}={raw!r}", text, "is a file, not a directory", ["a directory (created on use)"])
+    return path
+
+
 # ---------------------------------------------------------------------------
 # the doctor's view
 
@@ -287,6 +303,7 @@ def environment_problems(environ: Optional[Mapping[str, str]] = None) -> List[Di
     check(SUMMARY_ENV, lambda: parse_summary(environ.get(SUMMARY_ENV, "")))
     check(MONITOR_ENV, lambda: parse_monitor(environ.get(MONITOR_ENV, "")))
     check(MONITOR_LOG_ENV, lambda: parse_monitor_log(environ.get(MONITOR_LOG_ENV, "")))
+    check(CANARY_CACHE_ENV, lambda: parse_canary_cache(environ.get(CANARY_CACHE_ENV, "")))
     if AUTO_ENV in environ:
         check(AUTO_ENV, lambda: check_arguments(**{k: v for k, v in (parse_auto(environ[AUTO_ENV]) or {}).items() if k != "strict"}))
     seen = set()

@@ -288,7 +288,8 @@ def test_rotary_backend_bad_value_from_the_kernel(monkeypatch):
 
 @pytest.mark.parametrize(
     "name, value",
-    [("FTSHIMS_DISABLE", "nope"), ("FTSHIMS_AUTO", "[1]"), (POLICY_ENV, "explode"), (BACKEND_ENV, "gpu")],
+    [("FTSHIMS_DISABLE", "nope"), ("FTSHIMS_AUTO", "[1]"), (POLICY_ENV, "explode"), (BACKEND_ENV, "gpu"),
+     (settings.CANARY_CACHE_ENV, __file__)],  # the canary's cache must be a directory, not a file
 )
 def test_doctor_reports_a_bad_setting_as_a_problem(monkeypatch, name, value):
     monkeypatch.setenv(name, value)

@@ -85,3 +85,41 @@ def test_report_fails_only_on_tracked_drift():
     drift_tracked = canary.Finding("s", "p", "1.0", True, "t", False, "not defined")
     text, code = canary.report([good, drift_tracked])
     assert code == 1 and "ERROR" in text
+
+
+# -- where downloads are kept ----------------------------------------------------------------------
+
+
+def test_cache_is_the_users_cache_directory_never_the_package(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from ftshims import settings
+
+    monkeypatch.delenv(settings.CANARY_CACHE_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert canary.cache_dir() == tmp_path / "home" / ".cache" / "ftshims" / "canary"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # the XDG spec: relative paths are ignored
+    assert canary.cache_dir() == tmp_path / "home" / ".cache" / "ftshims" / "canary"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert canary.cache_dir() == tmp_path / "xdg" / "ftshims" / "canary"
+    package = Path(canary.__file__).resolve().parent.parent
+    assert package not in canary.cache_dir().parents
+
+
+def test_cache_variable_overrides_and_is_checked(monkeypatch, tmp_path):
+    import pytest
+
+    from ftshims import settings
+
+    monkeypatch.setenv(settings.CANARY_CACHE_ENV, str(tmp_path / "mine"))
+    assert canary.cache_dir() == tmp_path / "mine"  # created on use, not here
+    monkeypatch.setenv(settings.CANARY_CACHE_ENV, "  ")
+    assert canary.cache_dir().parts[-2:] == ("ftshims", "canary")  # empty counts as unset
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(settings.CANARY_CACHE_ENV, str(tmp_path / "a-file"))
+    with pytest.raises(ValueError, match=rf"{settings.CANARY_CACHE_ENV}=.*is a file, not a directory"):
+        canary.cache_dir()
+    assert [p["variable"] for p in settings.environment_problems()] == [settings.CANARY_CACHE_ENV]
+    with pytest.raises(SystemExit):  # the command line says so in one line (argparse's error), no traceback
+        canary.main(["--tracked-only"])
