@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List
 
+from ..spec import SPEED
 from .shims import NOT_AFFECTED, OPT_IN, PATCHED, PATCHED_ON_IMPORT, UNPATCHED, UNVERIFIED
 
 _VERDICT_TEXT = {
@@ -167,7 +168,9 @@ def to_text(report: Dict[str, Any]) -> str:
         if not s["affected"]:
             out.append(f"  {s['id']}: not affected ({s['range']}{_fixed(s, '; ')})")
             continue
-        out.append(f"  {s['id']}: AFFECTED [{s['kind']}] {s['title']}")
+        # a speed shim fixes no bug: in range, it is available, not a bug this stack has
+        headline = "available" if s["kind"] == SPEED else "AFFECTED"
+        out.append(f"  {s['id']}: {headline} [{s['kind']}] {s['title']}")
         pad = "      "
         out.append(f"{pad}versions  {s['range']}")
         out.append(f"{pad}symptom   {s['symptom']}")
@@ -391,7 +394,7 @@ def to_markdown(report: Dict[str, Any]) -> str:
             [
                 f"`{s['id']}`",
                 s["kind"],
-                "yes" if s["affected"] else "no",
+                ("available" if s["kind"] == SPEED else "yes") if s["affected"] else "no",
                 s["status"],
                 s["verdict"],
                 s["range"] if not s["affected"] else s["reason"],

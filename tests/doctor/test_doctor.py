@@ -830,6 +830,20 @@ def test_summary_names_opt_in_fixes_apart_from_speed_shims(full_report):
             assert shim_id not in speed_part
 
 
+def test_a_speed_shim_in_range_is_available_not_affected(full_report):
+    """A speed shim fixes no bug: in range it is offered (``available [speed]``), never shown as a bug (``AFFECTED``)."""
+    speed = [row for row in full_report["shims"] if row["kind"] == "speed" and row["affected"]]
+    assert speed, "rope_fused_kernel (transformers >=4.30) is in range on every stack"
+    text, markdown = formats.to_text(full_report), formats.to_markdown(full_report)
+    assert "AFFECTED [speed]" not in text
+    for row in speed:
+        assert f"  {row['id']}: available [speed] {row['title']}" in text
+        assert f"| `{row['id']}` | speed | available |" in markdown
+    fixes = [row for row in full_report["shims"] if row["kind"] != "speed" and row["affected"]]
+    for row in fixes:  # a bug this stack has still reads AFFECTED
+        assert f"  {row['id']}: AFFECTED [{row['kind']}] {row['title']}" in text
+
+
 def test_packages_without_bytecode_are_a_warning_only_when_python_will_not_write_it(tmp_path, monkeypatch):
     """Without .pyc files and with PYTHONDONTWRITEBYTECODE, every process compiles torch/transformers again."""
     import compileall
