@@ -8,7 +8,8 @@ process it starts each write their own; ``pid`` and ``argv`` tell them apart):
   ``actions`` counts how often the shim acted, its ``notes`` any foreign patch on its targets);
   ``summary``: ``ftshims.summary()``;
 * ``versions``: the client stack;
-* ``model``: facts at the first ``on_train_begin`` and at ``on_train_end``: who owns
+* ``model``: facts at the first ``on_train_begin`` (with ``lora_sha1``, a fingerprint of the LoRA
+  weights the run starts from) and at ``on_train_end``: who owns
   ``gradient_checkpointing_enable`` (the class, or an instance attribute put there by the framework),
   the forward hooks on the input embeddings (``make_inputs_require_grads`` is
   ``enable_input_require_grads``' hook), the attention implementation;
@@ -185,11 +186,24 @@ def _install_model_hooks(model) -> None:
     decoder.layers[0].register_forward_pre_hook(on_first_layer, with_kwargs=True)
 
 
+def _lora_sha1(model) -> str:
+    """A fingerprint of the LoRA weights (names and bytes): equal in two runs only if they start equal."""
+    import hashlib
+
+    digest = hashlib.sha1()
+    for name, parameter in sorted(model.named_parameters()):
+        if "lora_" in name:
+            digest.update(name.encode())
+            digest.update(parameter.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _make_callback(trainer_callback_module):
     class FtshimsClientProbe(trainer_callback_module.TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if model is not None:
                 DATA["model"].setdefault("train_begin", _model_facts(model))
+                DATA["model"]["train_begin"].setdefault("lora_sha1", _lora_sha1(model))
                 _install_model_hooks(model)
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):

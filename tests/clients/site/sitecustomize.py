@@ -11,3 +11,12 @@ import os
 
 if os.environ.get("FTSHIMS_CLIENT_PROBE"):
     import ftshims_client_probe  # noqa: F401
+
+# FTSHIMS_CLIENT_SEED=<int>: seed torch's default generator the moment torch is imported. torch seeds it from
+# the OS at start-up, and a client may draw from it before seeding (axolotl 0.19 initialises the LoRA weights
+# before its Trainer calls set_seed(cfg.seed)): without this, two identical runs start from different adapters.
+if os.environ.get("FTSHIMS_CLIENT_SEED"):
+    import wrapt
+
+    _seed = int(os.environ["FTSHIMS_CLIENT_SEED"])
+    wrapt.register_post_import_hook(lambda torch: torch.manual_seed(_seed), "torch")
