@@ -627,7 +627,8 @@ def check_label_smoothing(ctx) -> None:
     model whose name it misreads (transformers#27161): LoRA-style adapters before 4.36 ("PeftModelForCausalLM",
     then the tuner "LoraModel"), prefix tuning before 4.32 and again from 4.36 (the headless backbone). ftshims'
     ``label_smoothing_peft_unshifted`` fixes the PEFT cases from 4.21; prompt tuning / p-tuning fail with a shape
-    error on every version (their logits include the virtual tokens)."""
+    error on every version (their logits include the virtual tokens), which the same shim fixes since 0.2.0 (it
+    scores the logits behind the virtual tokens, as PEFT's own loss does)."""
     train = ctx.train
     if train is None or train.is_lf:
         return
@@ -654,15 +655,22 @@ def check_label_smoothing(ctx) -> None:
         peft = None  # not a causal LM: the Trainer never shifts, and should not
 
     if peft in VIRTUAL_TOKENS:
+        state = ctx.shim_state(LABEL_SMOOTHING_SHIM)
+        covered = state["registered"] and state["affected"]
+        fix = ("set label_smoothing_factor: 0, or use LoRA or prefix tuning, or compute the smoothed loss yourself "
+               "(a custom compute_loss that drops the virtual-token positions and shifts the labels)")
+        if covered:
+            fix = f"run ftshims.apply() in the training process ({LABEL_SMOOTHING_SHIM}), or " + fix
         ctx.add(
             finding(
                 "label-smoothing-unshifted",
                 f"label_smoothing_factor={factor} with a {peft} adapter (from {where}): the PEFT model prepends its virtual "
                 "tokens to the sequence, so the logits are longer than the labels and the Trainer's label smoother "
-                "fails with a shape error at the first step, on every transformers version (no ftshims shim covers "
-                "it: shifting the labels cannot line them up).",
-                "set label_smoothing_factor: 0, or use LoRA or prefix tuning, or compute the smoothed loss yourself "
-                "(a custom compute_loss that drops the virtual-token positions and shifts the labels)",
+                "fails with a shape error at the first step, on every transformers version."
+                + (f" {_shim_sentence(state)}: the smoother then scores the logits behind the virtual tokens against "
+                   "the shifted labels, the pairs PEFT's own loss scores." if covered else ""),
+                fix,
+                severity=INFO if covered and state["applies"] else WARNING,
                 file=train.path,
                 key="label_smoothing_factor",
             )

@@ -33,9 +33,19 @@ model's labels were shifted for the smoother at all (4.20.1 ``self.label_smoothe
 different bug. Fallback, unchanged: non-PEFT models, PEFT models of other heads (sequence classification,
 seq2seq: no registered causal LM inside), causal LMs whose class is not registered (remote code), no label
 smoothing, a ``compute_loss_func``, a custom ``label_smoother`` that is not a ``LabelSmoother``, subclasses
-that override ``compute_loss`` without calling it, and logits longer than the labels: prompt tuning and
-p-tuning prepend virtual tokens to the sequence, so label smoothing fails there with a shape error, shifted
-or not (a separate upstream limitation this shim leaves as it is).
+that override ``compute_loss`` without calling it, and logits whose length matches neither the labels nor the
+labels plus the adapter's virtual tokens.
+
+Prompt tuning, p-tuning and multitask prompt tuning (since ftshims 0.2.0): these methods prepend
+``num_virtual_tokens`` prompt embeddings to the sequence, so the logits the Trainer hands its smoother are longer
+than the labels and upstream's smoother fails with a shape error on every version (``masked_fill_``: "The size of
+tensor a (T + V) must match the size of tensor b (T)"), shifted or not. PEFT's own loss
+(``PeftModelForCausalLM.forward``, peft 0.4.0-0.21.2) prepends ``num_virtual_tokens`` labels of -100 and lets the
+causal LM shift: the last virtual position predicts the first label, position ``V + t - 1`` the label ``t``. The
+shim does the same for the smoother: when the logits are exactly ``num_virtual_tokens`` longer than the labels,
+it prepends that many ignored labels (``LabelSmoother.ignore_index``) and shifts, so the smoothed loss scores
+the logits that belong to the labels, the same pairs as PEFT's own loss (its NLL part equals PEFT's loss).
+Other prompt-learning methods (CPT, with its own prefix labels and loss) pass through.
 
 Follow-ups: none. The backport is #27162 (LoRA-style adapters on 4.21-4.35); Trainer.compute_loss read in
 4.36.0, 4.46.3, 4.57.6, 5.0.0, 5.9.0, 5.16.1, 5.24.0 and 5.25.0: the name #27162 reads for a PeftModel
@@ -53,12 +63,13 @@ from ..spec import Observation, ShimSpec, Target, TargetMissing
 
 SPEC = ShimSpec(
     id="label_smoothing_peft_unshifted",
-    since="0.1.0",
+    since="0.2.0",
     title="Trainer label smoothing on a PEFT causal LM scores logits against unshifted labels "
     "(LoRA fixed in 4.36; prefix tuning unfixed)",
     symptom="label_smoothing_factor>0 with a PEFT causal LM (LoRA-style on transformers <4.36; prefix tuning on "
     "<4.32 and on every release from 4.36): the smoothed loss compares the logits at position t with the token "
-    "at t, so the adapter learns to copy the current token (fast-falling loss, repetitive generations), silently",
+    "at t, so the adapter learns to copy the current token (fast-falling loss, repetitive generations), silently; "
+    "prompt tuning / p-tuning: the smoother fails with a shape error on every version",
     why="transformers shift the labels for the label smoother only when a class name they read is a registered "
     "causal LM, and for a PEFT model they read the wrong one: the wrapper's or the tuner's before 4.36 (the "
     "LoRA-style case, fixed in 4.36 by PR #27162), and since 4.36 base_model.model, which for prompt-learning "
@@ -145,6 +156,26 @@ def is_peft_registered_causal_lm(model) -> bool:
     return get_name() in names.values()
 
 
+# peft types whose PeftModelForCausalLM.forward prepends num_virtual_tokens prompt embeddings to the sequence and
+# pads the labels with as many -100 (peft 0.4.0, 0.7.1, 0.13.2, 0.17.1, 0.21.2: the else-branch after prefix
+# tuning / CPT): their logits carry those positions.
+PREPENDING = ("PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING")
+
+
+def virtual_tokens(model) -> int:
+    """How many prompt positions ``model`` (a PeftModel, unwrapped) prepends to its logits: its active config's
+    ``num_virtual_tokens`` for the ``PREPENDING`` methods, else 0 (also when it cannot tell)."""
+    try:
+        config = _unwrap(model).active_peft_config
+    except (AttributeError, KeyError, TypeError):
+        return 0
+    kind = getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None))
+    count = getattr(config, "num_virtual_tokens", None)
+    if str(kind) not in PREPENDING or not isinstance(count, int) or count <= 0:
+        return 0
+    return count
+
+
 def _compute_loss(wrapped, instance, args, kwargs):
     smoother = getattr(instance, "label_smoother", None)
     if smoother is None:
@@ -159,37 +190,55 @@ def _compute_loss(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # 4.46+: a compute_loss_func takes the labels instead of the smoother
     if not is_peft_registered_causal_lm(model):
         return wrapped(*args, **kwargs)
-    previous = getattr(_STATE, "smoother", None)
-    _STATE.smoother = smoother
+    previous = getattr(_STATE, "smoother", None), getattr(_STATE, "prefix", 0)
+    _STATE.smoother, _STATE.prefix = smoother, virtual_tokens(model)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        _STATE.smoother = previous
+        _STATE.smoother, _STATE.prefix = previous
 
 
-def _one_logit_per_label(args, kwargs) -> bool:
-    """The logits (read as ``LabelSmoother`` reads them) have one position per label. Prompt tuning and
-    p-tuning prepend virtual tokens, so their logits are longer and no shift aligns them: pass through."""
+def _extra_positions(args, kwargs):
+    """How many more positions the logits (read as ``LabelSmoother`` reads them) have than the labels: 0 for one
+    per label, the virtual-token count for prompt tuning; None when they are not tensors of matching batch shape."""
     output = args[0] if args else kwargs.get("model_output")
     labels = args[1] if len(args) > 1 else kwargs.get("labels")
     try:
         logits = output["logits"] if isinstance(output, dict) else output[0]
-        return tuple(logits.shape[:-1]) == tuple(labels.shape)
+        if logits.dim() != labels.dim() + 1 or tuple(logits.shape[:-2]) != tuple(labels.shape[:-1]):
+            return None
+        return int(logits.shape[-2]) - int(labels.shape[-1])
     except (AttributeError, IndexError, KeyError, TypeError):  # not tensors as expected: upstream decides
-        return False
+        return None
 
 
 def _label_smoother_call(wrapped, instance, args, kwargs):
     if instance is None or getattr(_STATE, "smoother", None) is not instance:
         return wrapped(*args, **kwargs)
-    if not _one_logit_per_label(args, kwargs):
+    extra = _extra_positions(args, kwargs)
+    prefix = getattr(_STATE, "prefix", 0)
+    if extra == prefix and prefix > 0:
+        # PEFT's own loss: as many ignored labels as virtual tokens in front, then the causal shift
+        import torch
+
+        labels = args[1] if len(args) > 1 else kwargs["labels"]
+        ignored = labels.new_full((*labels.shape[:-1], prefix), getattr(instance, "ignore_index", -100))
+        labels = torch.cat((ignored, labels), dim=-1)
+        if len(args) > 1:
+            args = (args[0], labels) + tuple(args[2:])
+        else:
+            kwargs = dict(kwargs, labels=labels)
+        action = "label-smoothed losses computed past the virtual-token prefix, on shifted labels"
+    elif extra == 0:
+        action = "label-smoothed losses computed on shifted labels"
+    else:
         return wrapped(*args, **kwargs)
     # (model_output, labels, shift_labels=False): set shift_labels=True wherever it was passed
     if len(args) >= 3:
         args = tuple(args[:2]) + (True,) + tuple(args[3:])
     else:
         kwargs = dict(kwargs, shift_labels=True)
-    acted(SPEC.id, "label-smoothed losses computed on shifted labels")
+    acted(SPEC.id, action)
     return wrapped(*args, **kwargs)
 
 
@@ -234,9 +283,13 @@ def probe(model: str = "peft_causal") -> Observation:
     * ``wrapped_peft_causal``: the same inside a ``DataParallel`` container (4.36 unwraps it first too);
     * ``prefix_causal``: prefix tuning (``base_model`` is the causal LM itself): the bug before 4.32 and
       again from 4.36;
-    * ``plain_causal``: the bare ``LlamaForCausalLM`` (shifted on every version: the healthy control).
+    * ``plain_causal``: the bare ``LlamaForCausalLM`` (shifted on every version: the healthy control);
+    * ``prompt_causal`` / ``ptuning_causal``: prompt tuning / p-tuning (3 virtual tokens prepended to the
+      sequence): upstream's smoother fails with a shape error on every version.
 
-    Bug: the loss differs (beyond 1e-5) from ``LabelSmoother(0.1)(outputs, labels, shift_labels=True)``.
+    Bug: ``compute_loss`` raises, or the loss differs (beyond 1e-5) from
+    ``LabelSmoother(0.1)(outputs, labels, shift_labels=True)`` (with the labels behind as many ignored labels as
+    the adapter prepends virtual tokens, as PEFT's own loss puts them).
     """
     import tempfile
 
@@ -252,6 +305,8 @@ def probe(model: str = "peft_causal") -> Observation:
         inner = tiny.lora(base)
     elif model == "prefix_causal":
         inner = prefix_tuned(base)
+    elif model in ("prompt_causal", "ptuning_causal"):
+        inner = prompt_tuned(base, "P_TUNING" if model == "ptuning_causal" else "PROMPT_TUNING")
     else:
         raise ValueError(f"unknown model scenario {model!r}")
     inner.eval()
@@ -262,12 +317,20 @@ def probe(model: str = "peft_causal") -> Observation:
         args = training_args(TrainingArguments, out, label_smoothing_factor=EPSILON)
         trainer = Trainer(model=inner, args=args)
         with torch.no_grad():
-            loss = float(trainer.compute_loss(net, dict(batch)))
             outputs = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    shifted, unshifted = reference_losses(outputs.logits, batch["labels"])
-    detail = (f"{model}: compute_loss {loss:.6f}; smoothed loss on shifted labels {shifted:.6f}, "
-              f"on unshifted labels {unshifted:.6f}")
-    return Observation(abs(loss - shifted) > 1e-5, detail)
+            own = net(**batch).loss  # PEFT's / the model's own (unsmoothed) loss
+            try:
+                loss = float(trainer.compute_loss(net, dict(batch)))
+            except RuntimeError as exc:  # prompt tuning: the logits carry the virtual tokens, the labels do not
+                loss, error = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    prefix = virtual_tokens(inner)
+    shifted, unshifted = reference_losses(outputs.logits, batch["labels"], prefix)
+    nll, _ = reference_losses(outputs.logits, batch["labels"], prefix, epsilon=0.0)
+    where = f" ({prefix} virtual tokens; NLL part {nll:.6f}, the model's own loss {float(own):.6f})" if prefix else ""
+    reference = f"smoothed loss on shifted labels {shifted:.6f}, on unshifted labels {unshifted:.6f}{where}"
+    if loss is None:
+        return Observation(True, f"{model}: compute_loss raised {error}; {reference}")
+    return Observation(abs(loss - shifted) > 1e-5, f"{model}: compute_loss {loss:.6f}; {reference}")
 
 
 def prefix_tuned(model, num_virtual_tokens: int = 3):
@@ -281,9 +344,26 @@ def prefix_tuned(model, num_virtual_tokens: int = 3):
         return get_peft_model(model, config)
 
 
-def reference_losses(logits, labels):
-    """The label-smoothed loss (epsilon 0.1) on shifted and on unshifted labels, by the formula."""
+def prompt_tuned(model, peft_type: str = "PROMPT_TUNING", num_virtual_tokens: int = 3):
+    """Wrap ``model`` with prompt tuning or p-tuning (``num_virtual_tokens`` embeddings prepended to the sequence)."""
+    from peft import PromptEncoderConfig, PromptTuningConfig, get_peft_model
+
+    from .. import tiny
+
+    config_class = PromptEncoderConfig if peft_type == "P_TUNING" else PromptTuningConfig
+    extra = {"encoder_hidden_size": 32} if peft_type == "P_TUNING" else {}
+    config = config_class(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens, **extra)
+    with tiny.quiet():
+        return get_peft_model(model, config)
+
+
+def reference_losses(logits, labels, prefix: int = 0, epsilon: float = EPSILON):
+    """The label-smoothed loss (``epsilon``) on shifted and on unshifted labels, by the formula; ``prefix`` ignored
+    labels (-100) go in front first, as PEFT's prompt tuning pads them for its virtual tokens."""
     import torch
+
+    if prefix:
+        labels = torch.cat((labels.new_full((*labels.shape[:-1], prefix), -100), labels), dim=-1)
 
     def smoothed(lg, lb):
         log_probs = -torch.nn.functional.log_softmax(lg.float(), dim=-1)
@@ -292,7 +372,7 @@ def reference_losses(logits, labels):
         nll = log_probs.gather(-1, lb).squeeze(-1).masked_fill(mask, 0.0)
         smooth = log_probs.sum(-1).masked_fill(mask, 0.0)
         active = (~mask).sum()
-        return float((1 - EPSILON) * nll.sum() / active + EPSILON * smooth.sum() / (active * lg.shape[-1]))
+        return float((1 - epsilon) * nll.sum() / active + epsilon * smooth.sum() / (active * lg.shape[-1]))
 
     return smoothed(logits[..., :-1, :], labels[..., 1:]), smoothed(logits, labels)
 

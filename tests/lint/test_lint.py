@@ -334,11 +334,15 @@ def test_label_smoothing_peft_versions(monkeypatch, applies, severity):
             assert ("headless backbone" in hit["message"]) == (adapter == "prefix.json" and version >= "4.36")
 
 
-def test_label_smoothing_prompt_tuning_is_a_shape_error_on_every_version(monkeypatch):
+@pytest.mark.parametrize("applies,severity", [(True, "info"), (False, "warning")], ids=["shim-applied", "shim-not-applied"])
+def test_label_smoothing_prompt_tuning_is_a_shape_error_on_every_version(monkeypatch, applies, severity):
+    """Every version raises the shape error; label_smoothing_peft_unshifted (0.2.0) fixes it where it applies."""
     for version in ("4.31.0", "4.35.2", "4.57.6"):
         with_versions(monkeypatch, transformers=version)
-        (hit,) = label_smoothing("prompt_tuning.json", shim_rows_for(LS_SHIM, True))
-        assert hit["severity"] == "warning" and "shape error" in hit["message"] and "PROMPT_TUNING" in hit["message"]
+        (hit,) = label_smoothing("prompt_tuning.json", shim_rows_for(LS_SHIM, applies))
+        assert hit["severity"] == severity and "shape error" in hit["message"] and "PROMPT_TUNING" in hit["message"]
+        assert LS_SHIM in hit["message"] and LS_SHIM in hit["fix"]
+        assert ("not applied here" in hit["message"]) == (not applies)
 
 
 def test_label_smoothing_cases_no_shim_covers(monkeypatch):

@@ -1,6 +1,7 @@
 """label_smoothing_peft_unshifted: with label_smoothing_factor>0 the Trainer scores a PEFT causal LM's logits
 against shifted labels (transformers 4.21-4.35 left them unshifted for LoRA-style PEFT models; 4.21-4.31 and
-every release from 4.36 leave them unshifted for prefix tuning)."""
+every release from 4.36 leave them unshifted for prefix tuning), and, for prompt tuning / p-tuning, past the
+virtual-token prefix as PEFT's own loss does (upstream: a shape error on every version)."""
 
 import tempfile
 
@@ -146,12 +147,17 @@ def test_trainer_untouched_and_mark_cleared_after_errors():
     assert abs(direct - unshifted) < 1e-5  # outside compute_loss the smoother does what it is told
 
 
-def _prompt_tuned():
-    from peft import PromptTuningConfig, get_peft_model
+@pytest.mark.parametrize("method", ["prompt_causal", "ptuning_causal"])
+def test_prompt_tuned_causal_lm_smoothed_loss_past_the_virtual_tokens(evidence, method):
+    """Prompt tuning / p-tuning prepend virtual tokens: upstream's smoother fails with a shape error on every
+    version; with the shim it scores the logits that belong to the labels, as PEFT's own loss does."""
+    assert_bug_and_fix(SHIM, evidence, f"{method.split('_')[0]}-tuned causal LM, label_smoothing_factor=0.1",
+                       expect_bug=True, model=method)
 
+
+def _prompt_tuned(peft_type="PROMPT_TUNING"):
     base = tiny.tiny_llama(num_key_value_heads=tiny.TINY_LLAMA["num_attention_heads"])
-    with tiny.quiet():
-        return get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    return probe_module.prompt_tuned(base, peft_type).eval()
 
 
 def _error(trainer, model, batch):
@@ -162,15 +168,39 @@ def _error(trainer, model, batch):
     return None
 
 
-def test_prompt_tuning_is_left_as_upstream_has_it():
-    """Prompt tuning prepends virtual tokens, so its logits are longer than the labels and no shift aligns them:
-    upstream's smoother fails on the shapes; the shim passes through and the failure stays the same."""
+def test_prompt_tuning_scores_the_pairs_peft_scores():
+    """Without the shim: the shape error. With it: the smoothed loss of the labels behind num_virtual_tokens ignored
+    labels, shifted (the last virtual position predicts the first label); its NLL part (epsilon 0) is PEFT's own
+    unsmoothed loss, and a trainer with label_smoothing_factor=0 is untouched."""
+    import torch
+
     model = _prompt_tuned()
     batch = tiny.batch()
     trainer = _trainer(model)
-    plain = _error(trainer, model, batch)
+    assert _error(trainer, model, batch) is not None
     with ftshims.applied(only=[SHIM]):
-        shimmed = _error(trainer, model, batch)
+        loss = float(_loss(trainer, model, batch))
+        actions = ftshims.status()[SHIM].actions
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        own = float(model(**batch).loss)
+    shifted, _ = probe_module.reference_losses(logits, batch["labels"], prefix=3)
+    nll, _ = probe_module.reference_losses(logits, batch["labels"], prefix=3, epsilon=0.0)
+    assert abs(loss - shifted) < 1e-6 and abs(nll - own) < 1e-6, (loss, shifted, nll, own)
+    assert actions == {"label-smoothed losses computed past the virtual-token prefix, on shifted labels": 1}
+    _assert_untouched(_trainer(model, smoothing=0.0), model, batch)
+
+
+def test_prefix_length_must_match_exactly():
+    """Logits longer than the labels by anything but the adapter's virtual tokens pass through (the smoother
+    decides, and fails, as upstream): labels cut by one position keep upstream's shape error."""
+    model = _prompt_tuned()
+    batch = tiny.batch()
+    short = dict(batch, labels=batch["labels"][:, 1:])
+    trainer = _trainer(model)
+    plain = _error(trainer, model, short)
+    with ftshims.applied(only=[SHIM]):
+        shimmed = _error(trainer, model, short)
         actions = ftshims.status()[SHIM].actions
     assert plain is not None and shimmed == plain
     assert actions == {}
