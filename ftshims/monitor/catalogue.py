@@ -106,7 +106,7 @@ def explain(candidates: Iterable[str]) -> Tuple[List[str], Dict[str, bool], str]
             parts.append(f"advisory {catalogue_id}: {advisory.title}{fixed}")
     if parts:
         return explains, applied, "; ".join(parts)
-    from .. import registry as _registry
+    from ..versions import installed_version
 
-    names = sorted({"torch", "transformers", "peft", "trl"} | set(_registry.packages()) & {"transformers", "peft", "trl"})
+    names = [name for name in ("torch", "transformers", "peft", "trl") if installed_version(name)]
     return [], {}, f"no known bug of this stack ({_versions_text(names)}) produces this symptom"

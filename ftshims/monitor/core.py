@@ -160,7 +160,6 @@ class Monitor:
         self.rank, self.world = rank_and_world()
         self.pid = os.getpid()
         self.in_trainer = False
-        self.trainer_args = None
         self._count: Dict[str, int] = {}
         self._pending: List[Micro] = []
         self._held: List[Micro] = []  # the last KEEP_BATCHES micro-batches, for a re-run
@@ -168,7 +167,6 @@ class Monitor:
         self._index = 0
         self._busy = False  # our own re-runs: the hooks stand aside
         self._closed = False
-        self._read_this_step = False
         self._grads_done_for = 0
         self._clip_norm = None  # (step, norm) from clip_grad_norm_ this step
         self._handles: List[Any] = []
@@ -220,7 +218,8 @@ class Monitor:
             detector.batch(self, inputs, micro)
         self._pending.append(micro)
         self._held.append(micro)
-        del self._held[:-KEEP_BATCHES]
+        if len(self._held) > KEEP_BATCHES:
+            self._held.pop(0).call = None  # its batch is no longer held: nothing keeps those tensors alive
         return None
 
     def _post_hook(self, module, args, kwargs, output):
@@ -254,12 +253,13 @@ class Monitor:
         import torch
 
         floats = self._step_floats.setdefault(self.step, {})
-        clipped = self._clip_norm
-        self._clip_norm = None
-        grads = [] if clipped is not None and clipped[0] == self.step else [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads and clipped is not None and clipped[0] == self.step:
+        clipped, self._clip_norm = self._clip_norm, None
+        if clipped is not None and clipped[0] == self.step:
             floats["grad_norm"] = clipped[1]  # the norm clip_grad_norm_ computed before clipping
-        elif grads:
+            grads = []
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
             get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
             if get_total_norm is not None:
                 floats["grad_norm"] = get_total_norm(grads, 2.0, False, None).detach()

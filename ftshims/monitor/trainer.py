@@ -48,7 +48,6 @@ class MonitorCallback(TrainerCallback):
         monitor = Monitor(model, optimizer, tokenizer=processing_class if processing_class is not None else tokenizer,
                           **self.given)
         monitor.in_trainer = True
-        monitor.trainer_args = args
         monitor.begin_step(state.global_step)
         self.monitor = monitor
         self._wrap_collate(train_dataloader)

@@ -106,3 +106,46 @@ def test_learning_rate_jump_gives_loss_spike_within_two_steps():
     assert 41 <= spikes[0].step <= 42, spikes[0].line()
     assert spikes[0].detail["value"] > spikes[0].detail["threshold"] and spikes[0].explains == []
     assert all(f.step > 40 for f in result.findings), [f.line() for f in result.findings]
+
+
+class _GradHookAt:
+    """A gradient hook on one weight that multiplies its gradient by ``factor`` during optimizer step ``step``."""
+
+    def __init__(self, weight, step, factor):
+        from transformers import TrainerCallback
+
+        self.on = False
+        weight.register_hook(lambda grad: grad * factor if self.on else grad)
+        outer = self
+
+        class Switch(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                outer.on = state.global_step + 1 == step
+
+        self.callback = Switch()
+
+
+@default_stack_only
+def test_nonfinite_gradient_with_a_finite_loss_names_its_module():
+    from ftshims import tiny
+
+    ftshims.apply()
+    model = tiny.tiny_llama()
+    hook = _GradHookAt(model.model.layers[0].mlp.down_proj.weight, step=3, factor=float("nan"))
+    result = train(model, rows_dataset(corpus(n=32, seq=16)), max_steps=5, callbacks=[hook.callback])
+    finding = result.only("nonfinite_grad")  # the next steps' NaN loss is the same event: not reported again
+    assert finding.step == 3 and finding.explains == []
+    assert finding.detail["module"] == "model.layers.0.mlp.down_proj", finding.detail
+
+
+@default_stack_only
+def test_gradient_norm_jump_gives_grad_norm_spike_at_its_step():
+    from ftshims import tiny
+
+    ftshims.apply()
+    model = tiny.tiny_llama(attn="sdpa")
+    hook = _GradHookAt(model.model.layers[1].mlp.down_proj.weight, step=35, factor=1000.0)
+    result = train(model, rows_dataset(corpus(n=512)), max_steps=40, per_device_train_batch_size=8, logging_steps=10,
+                   callbacks=[hook.callback])
+    finding = result.only("grad_norm_spike")
+    assert finding.step == 35 and finding.detail["value"] > 10 * finding.detail["median"], finding.detail

@@ -169,3 +169,18 @@ def test_importing_the_monitor_is_light():
     result = _python("import sys, ftshims.monitor, ftshims.monitor.options, ftshims.monitor.report; "
                      "print(sorted(m for m in ('torch', 'transformers', 'peft', 'trl') if m in sys.modules))")
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_every_catalogue_link_and_code_is_real():
+    """The symptom -> catalogue table names only registered shims and advisories; every code has its detector."""
+    from ftshims import advisories, registry
+    from ftshims.monitor import catalogue, options
+    from ftshims.monitor.detectors import all_detectors
+
+    known = set(registry.ids()) | {a.id for a in advisories.load()}
+    for code, ids in catalogue.LINKS.items():
+        assert code in options.CODES
+        assert set(ids) <= known, (code, set(ids) - known)
+    codes = [code for detector in all_detectors() for code in detector.codes]
+    assert sorted(codes) == sorted(options.CODES), "one detector per code, each code with its detector"
+    assert all(severity in ("error", "warning", "info") for severity, _ in options.CODES.values())

@@ -6,9 +6,11 @@ a non-finite loss is re-run once: the same batch, one more forward under
 ``torch.no_grad()`` with a forward pre-hook and a forward hook on every module
 (removed right after), naming the first module whose *output* is not finite
 while its floating *inputs* are: where the NaN is born, not where it spreads.
-A non-finite gradient norm with a finite loss names the last module, in forward
-order, whose parameter gradients are not finite (a NaN born in the backward
-of a module spreads to the modules before it). Never hooks on every step.
+A non-finite gradient norm with a finite loss re-runs the batch's forward and
+backward once (``torch.autograd.grad``, no ``.grad`` touched: after
+``clip_grad_norm_`` every gradient is NaN) and names the last module, in forward
+order, whose parameter gradients are not finite (a NaN born in the backward of
+a module spreads to the modules before it). Never hooks on every step.
 
 Where the read is every step (the CPU, ``read="step"``) the re-run sees the
 weights that produced the NaN (before the update). Where it happens at a
@@ -93,11 +95,22 @@ def localize(model, call) -> Dict[str, Any]:
             "first_nonfinite_output": first_bad[0] or "(the model)", "inputs_finite": born is not None}
 
 
-def grad_origin(model) -> Optional[Dict[str, Any]]:
-    """From the gradients present: the modules with non-finite parameter gradients, the last in forward order first."""
+def grad_origin(model, call) -> Optional[Dict[str, Any]]:
+    """Re-run ``call``'s forward and backward once (``torch.autograd.grad``: no ``.grad`` is touched) and name
+    the modules whose parameter gradients are not finite, the last in forward order first: a NaN born in the
+    backward of a module spreads to the modules before it. Fresh gradients, because the ones left after
+    ``clip_grad_norm_`` are all NaN once the total norm is (it scales every gradient by it)."""
     import torch
 
-    bad = [name for name, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    args, kwargs = call
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    with torch.enable_grad():
+        output = model(*args, **kwargs)
+        loss = output.get("loss") if hasattr(output, "get") else None
+        if loss is None or not loss.requires_grad:
+            return None
+        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    bad = [name for (name, _), g in zip(named, grads) if g is not None and not bool(torch.isfinite(g).all())]
     if not bad:
         return None
     modules = list(dict.fromkeys(name.rsplit(".", 1)[0] for name in bad))
@@ -166,18 +179,28 @@ class NonFinite(Detector):
         micro = view.micros[0] if view.micros else None
         context = self._context(mon, micro)
         detail: Dict[str, Any] = {"grad_norm": str(view.grad_norm), **context}
-        origin = grad_origin(mon.model) if mon.options["localize"] else None
+        origin = None
+        if mon.options["localize"]:
+            poisoned = facts.nonfinite_parameters(mon.model)
+            if poisoned:
+                detail["nonfinite_parameters"] = poisoned
+            for held in [m for m in view.micros if m.call is not None and m in mon._held]:
+                origin = self._run(mon, held, grad_origin)
+                if origin:
+                    break
         where = ""
-        if origin:
+        if origin and origin.get("module"):
             detail.update(origin)
-            where = f"; last module in forward order with non-finite gradients: {origin['module']}"
+            where = f"; re-run, the last module in forward order with non-finite gradients: {origin['module']}"
+            if detail.get("nonfinite_parameters"):
+                where += f" (weights already non-finite at the re-run: {detail['nonfinite_parameters'][0]} ...)"
         mon.report("nonfinite_grad", view.step, f"the gradient norm is {view.grad_norm} while the loss is finite{where}",
                    self._candidates(context), detail)
 
-    def _run(self, mon, micro) -> Dict[str, Any]:
+    def _run(self, mon, micro, how=None) -> Dict[str, Any]:
         mon._busy = True
         try:
-            return localize(mon.model, micro.call)
+            return (how or localize)(mon.model, micro.call) or {}
         except Exception as exc:  # noqa: BLE001 - the finding stands without its localization
             return {"localize_error": f"{type(exc).__name__}: {exc}"}
         finally:
