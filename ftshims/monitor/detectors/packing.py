@@ -1,18 +1,16 @@
 """``packing_contaminated``: a packed example whose logits differ from the same example run alone.
 
-Once per run, on the first packed training batch: a row whose ``position_ids``
-restart at 0 between real tokens (at most ``LOOKS`` batches with position ids
-are read to the host to find one), or a single flattened row the collator built
-from several examples without any boundary (TRL 0.19-0.23.0 padding-free
-batches: the Trainer callback learns where the examples start from the
-collator's input, their lengths or the position ids of TRL's packed rows). The row up to the end of its second example and that example alone
-(positions from 0, no padding) go through two extra no-grad forwards, with the
-same attention inputs the training forward got (a 2D mask cut to the row, a 4D
-block mask a collator built cut to the same rows and columns); dropout is
-switched off for them. Under causal attention the first example cannot see anything else, so the
-second is the first one that can be contaminated. Logits further apart than
-``TOLERANCE`` (relative to their scale; ``HALF_TOLERANCE`` in fp16/bf16) mean the
-examples attend to each other.
+Once per run, on the first packed training batch: a row whose ``position_ids`` restart at 0 between
+real tokens (at most ``LOOKS`` batches with position ids are read to the host to find one), or a
+single flattened row the collator built from several examples without any boundary (TRL 0.19-0.23.0
+padding-free batches: the Trainer callback learns where the examples start from the collator's
+input, their lengths or the position ids of TRL's packed rows). The row up to the end of its second
+example and that example alone (positions from 0, no padding) go through two extra no-grad forwards,
+with the same attention inputs the training forward got (a 2D mask cut to the row, a 4D block mask a
+collator built cut to the same rows and columns); dropout is switched off for them. Under causal
+attention the first example cannot see anything else, so the second is the first one that can be
+contaminated. Logits further apart than ``TOLERANCE`` (relative to their scale; ``HALF_TOLERANCE``
+in fp16/bf16) mean the examples attend to each other.
 
 Explains ``packing_block_mask`` (eager/sdpa with packed position ids), the
 packing advisories of old transformers/torch, ``flash_attn_packing`` (flash
