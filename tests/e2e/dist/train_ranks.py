@@ -11,7 +11,7 @@ What each engine does, on a tiny Llama (sdpa) with LoRA on q/v, ``lm_head`` in `
 and gradient checkpointing left at transformers' default (reentrant below 5.0: with ``lm_head``
 trainable the loss has a graph, so without the fix the LoRA weights silently get no gradient):
 
-* ``steps``: STEPS SGD steps on the global batch (two packed rows, the examples marked by
+* ``losses``: STEPS SGD steps on the global batch (two packed rows, the examples marked by
   ``position_ids`` beside an all-ones attention mask); each rank trains on one row. Both rows score
   the same number of labels, so the mean of the ranks' mean losses is the single process's mean
   loss, and the per-step losses (averaged over ranks) must equal the single process's;
@@ -19,7 +19,9 @@ trainable the loss has a graph, so without the fix the LoRA weights silently get
 * ``packed``: each rank's packed row, evaluated after training: each example's loss in the packed
   row and the same example's loss run alone;
 * ``trainer`` (a ``transformers.Trainer`` on a plain tiny Llama, ``average_tokens_across_devices``):
-  the ``num_items_in_batch`` the loss was divided by, and the labels the loss scores on each rank.
+  the ``num_items_in_batch`` the loss was divided by, and the labels the loss scores on each rank;
+* ``accelerate`` (under ``accelerate launch``): what accelerate made of its config here (distributed
+  type, processes, FSDP plugin, the wrapper ``prepare`` returned, DTensor parameters or not).
 
 The single process also trains once more with every shim reverted (``without_shims``): on a stack in
 the bug's range its LoRA weights do not move, which shows the run above tests the bug's silent form.
