@@ -34,4 +34,5 @@ SHIM_IDS = (
     "num_items_in_batch_ignored",
     "packing_recurrent_state",
     "nonpersistent_buffers_uninitialized",
+    "roberta_flattened_position_ids",
 )

@@ -297,6 +297,14 @@ CASES = {
         ({"accelerate": "1.15.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <1.15.0
         ({"accelerate": N}, None, False),
     ],
+    "roberta_flattened_position_ids_before_5_15": [
+        ({"transformers": "4.44.0"}, None, True),  # DataCollatorWithFlattening's first release
+        ({"transformers": "5.14.1"}, None, True),
+        ({"transformers": "4.43.4"}, None, False),  # no flattening collator
+        ({"transformers": "5.15.0"}, None, False),  # position_ids_start, min-based boundaries: the shim's range
+        ({"transformers": "5.15.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <5.15.0
+        ({"transformers": N}, None, False),
+    ],
 }
 
 
@@ -573,6 +581,7 @@ def test_matching_reads_installed_versions_when_none_given(monkeypatch):
         "fa2_right_padding_raises_in_training",
         "fa2_right_padding_raises_in_training_mixtral",
         "fa2_right_padding_raises_in_training_qwen2_moe",
+        "roberta_flattened_position_ids_before_5_15",
         "num_items_in_batch_overcount_4_46",
         "average_tokens_across_devices_off",
     ]
@@ -602,13 +611,14 @@ def test_the_pinned_stacks_see_the_expected_advisories():
         "s446": ({"transformers": "4.46.3", "trl": "0.12.2", "torch": "2.13.0+cpu"},
                  {"trl_constant_length_dataset_packing", "ga_loss_scaling_4_46", "num_items_in_batch_overcount_4_46",
                   "trl_sft_eos_label_masked_when_pad_is_eos", "fa2_right_padding_raises_in_training",
-                  "average_tokens_across_devices_off"}),
+                  "average_tokens_across_devices_off", "roberta_flattened_position_ids_before_5_15"}),
         "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"},
                  {"num_items_in_batch_overcount_4_46", "fa2_right_padding_raises_in_training_qwen2_moe",
-                  "average_tokens_across_devices_off", "gemma_hidden_act_gelu_exact_regression"}),
+                  "average_tokens_across_devices_off", "gemma_hidden_act_gelu_exact_regression",
+                  "roberta_flattened_position_ids_before_5_15"}),
         "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"},
                   {"deepseek_v2_yarn_missing_mscale", "fa2_right_padding_raises_in_training_qwen2_moe",
-                   "gemma_hidden_act_gelu_exact_regression"}),
+                   "gemma_hidden_act_gelu_exact_regression", "roberta_flattened_position_ids_before_5_15"}),
         "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"}, set()),
     }
     for name, (versions, expected) in stacks.items():
