@@ -302,10 +302,24 @@ def apply(only=None, exclude=None, strict: bool = False, include=None, options=N
     return status()
 
 
+# Patches ftshims makes outside the shims (the monitor's Trainer attachment) that a full revert() undoes too.
+_ON_FULL_REVERT: List[Any] = []
+
+
+def on_full_revert(undo) -> None:
+    """Call ``undo()`` once, at the next ``revert()`` of every shim (no ``only=``)."""
+    with LOCK:
+        if undo not in _ON_FULL_REVERT:
+            _ON_FULL_REVERT.append(undo)
+
+
 def revert(only=None) -> Report:
     """Undo every active shim (or those in ``only``), restoring the original objects."""
     only_set = settings.check_ids(only, "only")
     with LOCK:
+        if only_set is None:
+            while _ON_FULL_REVERT:
+                _ON_FULL_REVERT.pop()()
         for shim_id in reversed(list(registry.ids())):
             if only_set is not None and shim_id not in only_set:
                 continue

@@ -15,8 +15,11 @@ variables"):
 * ``FTSHIMS_AUTO``: ``0``/``false``/``no``/``off`` or empty: off;
   ``1``/``true``/``yes``/``on``: the defaults; a JSON object whose keys are
   ``apply()`` keywords (``only``, ``exclude``, ``include``, ``options``,
-  ``strict``): those. Unset, an explicit ``import ftshims.auto`` applies the
+  ``strict``, ``release``): those. Unset, an explicit ``import ftshims.auto`` applies the
   defaults;
+* ``FTSHIMS_MONITOR``: off or on as ``FTSHIMS_AUTO``, or a JSON object of
+  ``ftshims.monitor.callback()`` options; ``FTSHIMS_MONITOR_LOG``: a file path
+  whose directory exists;
 * option values, and the variables that supply them when ``apply()`` does not
   (``FTSHIMS_MAX_POSITIONS_POLICY``, ``FTSHIMS_ROTARY_BACKEND``), are declared
   in each shim's ``ShimSpec.choices``; an empty variable counts as unset.
@@ -32,7 +35,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 DISABLE_ENV = "FTSHIMS_DISABLE"
 AUTO_ENV = "FTSHIMS_AUTO"
-AUTO_KEYS = ("only", "exclude", "include", "options", "strict")
+AUTO_KEYS = ("only", "exclude", "include", "options", "strict", "release")
 AUTO_OFF = ("", "0", "false", "no", "off")
 AUTO_ON = ("1", "true", "yes", "on")
 EVERY_SHIM = ("*", "all")
@@ -156,6 +159,18 @@ def shim_options(spec, given: Any, environ: Optional[Mapping[str, str]] = None) 
         if name in spec.options and merged[name] == spec.options[name]:
             merged[name] = value
     return merged
+
+
+def check_release(release: Any, setting: str = "release") -> Optional[str]:
+    """The full ftshims release a pin names (``"0.1"`` -> ``"0.1.0"``), None for no pin; ValueError for an unknown one."""
+    if release is None:
+        return None
+    from .releases import RELEASES, normalize
+
+    try:
+        return normalize(release)
+    except ValueError:
+        raise invalid(setting, release, f"unknown ftshims release {release!r}", RELEASES) from None
 
 
 def check_arguments(only=None, exclude=None, include=None, options=None) -> Tuple[Any, Any, Any, Dict[str, Dict[str, Any]]]:
@@ -305,7 +320,12 @@ def environment_problems(environ: Optional[Mapping[str, str]] = None) -> List[Di
     check(MONITOR_LOG_ENV, lambda: parse_monitor_log(environ.get(MONITOR_LOG_ENV, "")))
     check(CANARY_CACHE_ENV, lambda: parse_canary_cache(environ.get(CANARY_CACHE_ENV, "")))
     if AUTO_ENV in environ:
-        check(AUTO_ENV, lambda: check_arguments(**{k: v for k, v in (parse_auto(environ[AUTO_ENV]) or {}).items() if k != "strict"}))
+        def check_auto() -> None:
+            arguments = parse_auto(environ[AUTO_ENV]) or {}
+            check_arguments(**{k: v for k, v in arguments.items() if k not in ("strict", "release")})
+            check_release(arguments.get("release"), f"{AUTO_ENV} release")
+
+        check(AUTO_ENV, check_auto)
     seen = set()
     for spec in _specs().values():
         for choice in spec.choices.values():

@@ -69,6 +69,13 @@ DEFAULT_STACK_ONLY = (
     "tests/e2e/test_distributed.py",
     "tests/lifecycle/test_apply_revert.py",
     "tests/lifecycle/test_settings.py",
+    "tests/lifecycle/test_release_pin.py",
+    # the monitor's machinery; its catalogue-linked detectors run on every stack where their bug exists
+    "tests/monitor/test_options.py",
+    "tests/monitor/test_custom_loop_and_report.py",
+    "tests/monitor/test_healthy.py",
+    "tests/monitor/test_trl_healthy.py",
+    "tests/monitor/test_distributed.py",
     "tests/lifecycle/test_compile.py::test_wrapper_effect_is_in_the_compiled_graph_and_gone_after_revert",
     "tests/lifecycle/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[llama-sdpa]",
     "tests/lifecycle/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[mistral-sdpa]",

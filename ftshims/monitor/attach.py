@@ -7,9 +7,9 @@ It goes through ftshims' own :class:`~ftshims.patching.Patcher`:
 ``transformers.trainer.Trainer.__init__`` is wrapped (now, or when
 ``transformers.trainer`` is imported) to ``add_callback(callback(**options))``
 after the original ran, unless the trainer already has one; and
-``ftshims.revert()`` (all shims, no ``only=``) undoes it, since the same
-Patcher wraps the manager's ``revert`` to undo itself afterwards. The shims'
-selection is untouched: ``FTSHIMS_MONITOR=1`` alone applies no shim.
+``ftshims.revert()`` (all shims, no ``only=``) undoes it
+(``_manager.on_full_revert``). The shims' selection is untouched:
+``FTSHIMS_MONITOR=1`` alone applies no shim.
 
 Bad options are a ``ValueError`` before anything is attached.
 """
@@ -39,8 +39,8 @@ def attach_to_trainers(**options) -> None:
             patcher.wrap(module.Trainer, "__init__", _trainer_init(dict(options)))
 
         patcher.when_imported("transformers.trainer", install)
-        patcher.wrap(_manager, "revert", _revert)
         _PATCHER.append(patcher)
+        _manager.on_full_revert(detach_from_trainers)
 
 
 def detach_from_trainers() -> None:
@@ -67,14 +67,6 @@ def _trainer_init(options):
         return result
 
     return init
-
-
-def _revert(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    only = kwargs.get("only", args[0] if args else None)
-    if only is None:
-        detach_from_trainers()
-    return result
 
 
 def _part_failed(owner: str, exc: BaseException) -> None:
