@@ -56,7 +56,10 @@ is longer than the window (one 4D mask cannot express it; said once in the log).
 Under ``torch.compile`` nothing data-dependent can be decided: the mask layer
 then acts beside a 2D mask only (upstream materialises that mask in a trace anyway,
 so an unpacked row gets the same mask), with no cache or an empty one outside
-``no_grad``. Recurrent layers of hybrid models are packing_recurrent_state's.
+``no_grad``. One difference remains there: 5.24's builders remap a packed row's mask by
+its position ids, so in a compiled, left-padded batch whose position ids restart after
+the padding (generate()'s style) the padding queries see other keys; every real
+token's output stays bit-identical. Recurrent layers of hybrid models are packing_recurrent_state's.
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ def _mask_layer(patcher, module) -> None:
     if embeds is None or cache is None or not {"config", "attention_mask", "position_ids"} <= set(names):
         raise TargetMissing(f"transformers.masking_utils._preprocess_mask_arguments{tuple(names)} changed")
     # 4.53-4.57 return (early_exit, mask, packed, kv_length, kv_offset); 5.x insert q_length and q_offset
-    layout = _Layout(names, embeds, cache, "cache_position" in names)
+    layout = _Layout(embeds, cache, "cache_position" in names)
     remaps = callable(vars(module).get("remap_positions_for_packed_sequence"))
 
     def preprocess(wrapped, instance, args, kwargs):
@@ -196,7 +199,6 @@ def _mask_layer(patcher, module) -> None:
 
 
 class _Layout(NamedTuple):
-    names: tuple
     embeds: str
     cache: str
     short: bool  # the 4.53-4.57 five-tuple (no q_length/q_offset)
@@ -211,7 +213,8 @@ def _packed_sequence_mask(call, result, layout):
     attention takes a mask function, and the position ids restart between real tokens (padding next to a
     restart is not packing: a left-padded generation batch stays as it is). Under ``torch.compile`` no value
     can be read: it then acts only beside a 2D mask (upstream materialises that mask in a trace anyway, so a
-    row of one example gets the same mask), with no cache or an empty one outside no_grad (training).
+    row of one example gets the same mask; on 5.24 the padding queries of a generate()-style left-padded row
+    excepted, see the module docstring), with no cache or an empty one outside no_grad (training).
     """
     import torch
 
@@ -220,8 +223,6 @@ def _packed_sequence_mask(call, result, layout):
         return None
     embeds = call.get(layout.embeds)
     position_ids = call.get("position_ids")
-    if position_ids is None:
-        position_ids = _HANDED_POSITIONS.get() if not compiling() else None
     if not torch.is_tensor(embeds) or not torch.is_tensor(position_ids) or position_ids.ndim != 2:
         return None
     batch, length = embeds.shape[0], embeds.shape[1]
@@ -253,11 +254,7 @@ def _packed_sequence_mask(call, result, layout):
 
 
 def _rows(position_ids, packed):
-    if position_ids is None:
-        position_ids = _HANDED_POSITIONS.get()
-    if position_ids is None:
-        return None
-    return position_ids.expand(packed.shape[0], -1)
+    return None if position_ids is None else position_ids.expand(packed.shape[0], -1)
 
 
 def _chunked_by_position(wrapped, instance, args, kwargs):
@@ -317,7 +314,7 @@ def _handing_down_positions(patcher, module, class_name):
 
 
 def _outside_mask_layer(cls) -> bool:
-    """A family whose base model still builds its own mask (qwen2_moe on 4.53-4.55, ...): the family route."""
+    """A family whose base model still builds its own mask (Qwen2-MoE on 4.53-4.57): the family route."""
     return _packing.mask_helper(cls) != "create_causal_mask"
 
 

@@ -216,12 +216,27 @@ def install(patcher, options) -> None:
 # Reproduction
 
 
-def probe(family: str = "qwen3_5", mask: str = "ones", use_cache=None, attn: str = "sdpa") -> Observation:
-    """Two examples (5 and 7 tokens) packed in one row of a tiny hybrid ``family``, train() mode: do the packed
-    logits equal each example run alone? The attention layers are kept apart by packing_block_mask (applied
-    here in both runs), so what is left is the recurrent layers' leak."""
+def _default_family():
+    """The first hybrid of this transformers whose attention masks come from masking_utils: Qwen3.5 (5.x),
+    Qwen3-Next (4.57), LFM2 (4.56)."""
+    import importlib
+
+    for family in ("qwen3_5", "qwen3_next", "lfm2"):
+        if _packing.family_available(family):
+            if hasattr(importlib.import_module(_packing.modeling_module(family)), "create_causal_mask"):
+                return family
+    raise ProbeUnsupported(f"transformers {_packing.transformers_version()} has no hybrid model whose attention "
+                           "masks come from masking_utils")
+
+
+def probe(family=None, mask: str = "ones", use_cache=None, attn: str = "sdpa") -> Observation:
+    """Two examples (5 and 7 tokens) packed in one row of a tiny hybrid ``family`` (default: this stack's
+    first of Qwen3.5, Qwen3-Next, LFM2), train() mode: do the packed logits equal each example run alone? The
+    attention layers are kept apart by packing_block_mask (applied here in both runs), so what is left is
+    the recurrent layers' leak."""
     import ftshims
 
+    family = family or _default_family()
     if family not in _packing.RECURRENT:
         raise ValueError(f"family must be one of {', '.join(_packing.RECURRENT)}, not {family!r}")
     if not _packing.family_available(family):
