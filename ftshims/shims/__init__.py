@@ -19,6 +19,7 @@ SHIM_IDS = (
     "seqcls_pools_before_first_pad",
     "peft_tied_embeddings_lost_on_merge",
     "num_items_in_batch_overcount",
+    "label_smoother_ignores_num_items",  # before label_smoothing_peft_unshifted: its smoother layer is inner
     "label_smoothing_peft_unshifted",
     "trl_ipo_summed_logps",
     "fa2_right_padding_in_training",
