@@ -26,6 +26,9 @@ models with loss kwargs whatever the loss (4.46.0-4.48.0 had their own scaling b
 ``ga_loss_scaling_4_46`` to ``ga_loss_scaling_4_48_0``); read in 4.48.1, 4.52.4, 4.57.6, 5.9.0 and 5.14.1 (bug) and
 5.15.0, 5.16.1, 5.24.0, 5.25.0 (fixed). The count the smoother divides by is the one the installed Trainer computes;
 on 4.57-5.10.0 ``num_items_in_batch_overcount`` makes it the labels the shifted loss scores, as 5.10.1+ count.
+
+Follow-ups: none. The fix carried is #47261 (5.15.0). LabelSmoother.__call__ and compute_loss's two label_smoother
+calls are identical in 5.15.0, 5.16.1, 5.24.0 and 5.25.0 (read); no revert or regression report found.
 """
 
 from __future__ import annotations
