@@ -161,6 +161,9 @@ def to_text(report: Dict[str, Any]) -> str:
     out.append("")
     trial = report["trial"]
     out.append(f"Shims (trial: {_v(trial.get('mode'), '?')}; nothing stays patched)")
+    if trial.get("fingerprint"):
+        out.append(f"  fingerprint {trial['fingerprint']['hash']}: what ftshims.apply() here records with a run "
+                   "(ftshims.fingerprint())")
     if not report["shims"]:
         failed = {e["section"] for e in report["errors"]} & {"shims", "trial"}
         out.append("  could not be evaluated (see the doctor errors below)" if failed else "  none registered")
@@ -180,6 +183,10 @@ def to_text(report: Dict[str, Any]) -> str:
         out.append(f"{pad}verdict   {_VERDICT_TEXT.get(s['verdict'], s['verdict'])}")
         if s.get("evidence"):
             out.append(f"{pad}evidence  {s['evidence']} (what the shim delivers where this bug exists; see COMPAT_MATRIX.md)")
+        if s.get("since"):
+            out.append(f"{pad}since     ftshims {s['since']} (apply(release=...) pins a release; CHANGELOG.md)")
+        if s.get("upstream_report"):
+            out.append(f"{pad}upstream  unfixed in every release: reproduction in {s['upstream_report']} (ftshims repository)")
         for note in s.get("notes") or []:
             out.append(f"{pad}note      {note}")
         if s["refs"]:

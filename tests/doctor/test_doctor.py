@@ -656,7 +656,7 @@ def test_torch_details_on_a_fake_cuda_torch():
 
 def _keys(value, path=""):
     """Every key path of a report; maps keyed by package or shim names are not walked into."""
-    dynamic = {"requires", "fixed_in", "versions", "sections", "env", "compared", "differences"}
+    dynamic = {"requires", "fixed_in", "versions", "sections", "env", "compared", "differences", "options"}
     if isinstance(value, dict):
         for key, item in value.items():
             yield key
