@@ -81,6 +81,8 @@ CACHE_PARAMS = ("seqlen", "device", "dtype")
 SPEC = ShimSpec(
     id="flash_attn_rotary",
     since="0.1.0",
+    unpinned="flash-attn cannot be installed without CUDA, so no pinned stack has it: its released rotary files "
+    "(2.5.8, 2.6.3, 2.8.3) run under Triton's CPU interpreter in the rotary_flash session instead (nox -s rotary_flash)",
     title="flash-attn rotary: silent unrotated rows past the table, bf16 cos/sin, pos_idx_in_fp32 TypeError",
     symptom="tensor seqlen_offsets past the cos table leave rows unrotated; bf16 cos/sin; RotaryEmbedding(pos_idx_in_fp32=...) TypeError on 2.8",
     why="flash-attn's rotary leaves rows past the cos/sin table unrotated when seqlen_offsets is a tensor, caches cos/sin in bf16, and 2.8 removed RotaryEmbedding(pos_idx_in_fp32=...), which ModernBERT passes. The shim grows RotaryEmbedding's table, raises for a caller's too-short table, keeps cos/sin in fp32 and accepts pos_idx_in_fp32=True.",

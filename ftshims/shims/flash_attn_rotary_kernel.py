@@ -44,6 +44,8 @@ from .flash_attn_rotary import CORE_PARAMS, _device, cpu_triton, wrap_copies
 SPEC = ShimSpec(
     id="flash_attn_rotary_kernel",
     since="0.1.0",
+    unpinned="flash-attn cannot be installed without CUDA, so no pinned stack has it: its released rotary files "
+    "(2.5.8, 2.6.3, 2.8.3) run under Triton's CPU interpreter in the rotary_flash session instead (nox -s rotary_flash)",
     title="flash-attn's rotary core on ftshims' compiled rotary kernel",
     symptom="flash-attn's Triton rotary kernel: GPU only, Triton JIT per configuration",
     why="Speed opt-in: flash-attn's Triton rotary core routed to ftshims' compiled rotary kernel, which also runs on CPU, computes in fp32 and is registered for torch.compile.",

@@ -57,6 +57,9 @@ _LN2_NEG = -0.6931471805599453
 SPEC = ShimSpec(
     id="trl_orpo_log_odds_nan",
     since="0.2.0",
+    unpinned="trl 0.26.x alone has ORPO under trl.experimental with the bug (0.27.0 fixed it), and no stack pins that "
+    "one release line: odds_ratio_loss is the same code in 0.24.0 (tested on t4_57_trl024) and in 0.26.0-0.26.2 "
+    "(read in the wheels)",
     title="ORPO odds-ratio loss is NaN/inf when a response's log-prob nears 0",
     symptom="ORPOTrainer: log_odds_chosen/loss NaN or inf and NaN gradients (bf16 log-probs above ~-1e-3; float32 "
     "above ~-1e-7 loses precision, above ~-6e-8 inf), the run blows up",
