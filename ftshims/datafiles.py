@@ -57,6 +57,14 @@ def pinned_versions(stack: str) -> Dict[str, str]:
     return dict(pin.split("==", 1) for pin in stacks()[stack]["pins"] if "==" in pin)
 
 
+def newest_pinned(distribution: str):
+    """The newest version of ``distribution`` that a stack pins, or None when none pins it (flash-attn)."""
+    from packaging.version import Version
+
+    versions = {pins[distribution] for pins in (pinned_versions(name) for name in stacks()) if distribution in pins}
+    return max(versions, key=Version) if versions else None
+
+
 def verified() -> dict:
     """The recorded evidence (``{"stacks": ..., "shims": ...}``), empty when none is recorded."""
     if VERIFIED_FILE.exists():
