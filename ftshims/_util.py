@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -68,6 +69,15 @@ def compiling() -> bool:
     return _IS_COMPILING()
 
 
+def _in_trace() -> bool:
+    """:func:`compiling` without importing torch: before torch is imported nothing can be traced. (Checking only
+    once ``compiling()`` had been called let the first trace through ``acted``/``warn_once`` run their side effects,
+    which dynamo refuses.)"""
+    if _IS_COMPILING is None and "torch" not in sys.modules:
+        return False
+    return compiling()
+
+
 def method_binder(func) -> Callable[[tuple, dict], Optional[dict]]:
     """A trace-friendly ``bind(args, kwargs) -> {name: value} | None`` for a method ``func(self, ...)``.
 
@@ -120,7 +130,7 @@ def warn_once(seen: set, key: Any, emit: Callable[[], None]) -> bool:
     sets: per process, per model...). Thread-safe; never inside a ``torch.compile``
     trace, where a Python side effect has no place.
     """
-    if _IS_COMPILING is not None and _IS_COMPILING():
+    if _in_trace():
         return False
     with _WARN_LOCK:
         if key in seen:
@@ -158,7 +168,7 @@ ACTIONS: dict = {}
 def acted(shim_id: str, action: str, times: int = 1) -> None:
     """Count that ``shim_id`` did ``action`` (a plural noun: "block masks built"). An increment;
     nothing inside a ``torch.compile`` trace (a graph must not carry Python side effects)."""
-    if _IS_COMPILING is not None and _IS_COMPILING():
+    if _in_trace():
         return
     key = (shim_id, action)
     ACTIONS[key] = ACTIONS.get(key, 0) + times

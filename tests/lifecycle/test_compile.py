@@ -200,3 +200,29 @@ def test_default_shims_keep_transformers_compile_paths_working(family, config_cl
         assert shimmed[2] is not None, shimmed[3]
         assert torch.equal(*shimmed[2]), "compiled generation differs from eager generation under the shims"
         assert torch.equal(plain[2][1], shimmed[2][1]), "compiled generation changed"
+
+
+def test_first_trace_through_acted_and_warn_once_has_no_side_effect():
+    """A fresh process whose first torch.compile trace passes through acted()/warn_once() before anything asked
+    compiling(): the trace must not run their side effects (dynamo refuses a lock as a context manager)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        from ftshims import _util
+        seen = set()
+
+        def step(x):
+            _util.acted("fake", "things done")
+            _util.warn_once(seen, "key", lambda: print("warned"))
+            return x * 2
+
+        out = torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2))
+        assert torch.equal(out, torch.full((2,), 2.0)), out
+        print(dict(_util.ACTIONS), sorted(seen))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "{} []"
