@@ -295,8 +295,10 @@ def reference_flash():
         if hasattr(fa, "lazy_import_flash_attention"):  # 4.56+
             process = fa._lazy_define_process_function(reference_flash_attn_varlen_func)
             fns = (reference_flash_attn_func, reference_flash_attn_varlen_func)
-            if hasattr(fa, "_flash_with_kvcache_fn"):  # 5.x
+            if hasattr(fa, "_process_with_kvcache_kwargs_fn"):  # later 5.x (5.24): a (varlen, kvcache) pair of processors
                 loaded = ((*fns, None, fa._pad_input, fa._unpad_input), (process, dict))
+            elif hasattr(fa, "_flash_with_kvcache_fn"):  # earlier 5.x (5.9, 5.16): one processor
+                loaded = ((*fns, None, fa._pad_input, fa._unpad_input), process)
             else:
                 loaded = ((*fns, fa._pad_input, fa._unpad_input), process)
             put("lazy_import_flash_attention", lambda *args, **kwargs: loaded)
