@@ -130,6 +130,19 @@ def qwen_vl_pixels(gen, config, n_images: int = 1):
     return pixels, grid
 
 
+def patchified_pixels(gen, config, n_images: int = 1):
+    """Gemma 4 style pre-patchified images: ``(images, patches, channels * patch * patch)`` and the ``(x, y)`` grid
+    position of each patch; a square grid of 2 x ``pooling_kernel_size`` patches per side pools to 4 soft tokens."""
+    vc = vision_config(config)
+    patch = int(getattr(vc, "model_patch_size", None) or getattr(vc, "patch_size", 8) or 8)
+    channels = int(getattr(vc, "num_channels", 3) or 3)
+    side = 2 * int(getattr(vc, "pooling_kernel_size", 2) or 2)
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    positions = torch.stack([xs.flatten(), ys.flatten()], dim=-1).unsqueeze(0).repeat(n_images, 1, 1)
+    pixels = torch.rand((n_images, side * side, channels * patch * patch), generator=gen)
+    return pixels, positions
+
+
 def audio_inputs(gen, config, params, batch: int) -> Dict[str, torch.Tensor]:
     out = {}
     if "input_features" in params:
@@ -166,6 +179,8 @@ def make_inputs(model, config, *, decoder_lm: bool, seed: int = 0) -> Dict[str, 
     text = "input_ids" in takes
     pixel = "pixel_values" in takes
     image_token = image_token_id(config) if (text and pixel) else None
+    if image_token is None and text and pixel and "image_embeds_position_mask" in takes:
+        image_token = LOW_ID  # kosmos-2: the image positions are given by a mask; their ids are ordinary tokens
     if text:
         ids = text_ids(gen, config, (batch, TEXT_LEN))
         mask = torch.ones((batch, TEXT_LEN), dtype=torch.long)
@@ -181,10 +196,31 @@ def make_inputs(model, config, *, decoder_lm: bool, seed: int = 0) -> Dict[str, 
         main["input_ids"] = ids
         if "attention_mask" in takes:
             main["attention_mask"] = mask
+        if "qformer_input_ids" in takes:  # instructblip: the instruction, tokenized for the Q-Former too
+            qformer = _sub(config, ("qformer_config",))
+            qvocab = getattr(qformer, "vocab_size", None) or 256
+            main["qformer_input_ids"] = torch.randint(LOW_ID, max(LOW_ID + 1, min(HIGH_ID, qvocab - 1)), (batch, 8),
+                                                      generator=gen)
+            main["qformer_attention_mask"] = torch.ones((batch, 8), dtype=torch.long)
+        if "bbox" in takes and getattr(config, "model_type", "") == "udop":
+            # udop has no default layout (LayoutLM's default is all-zero boxes): normalised (x0, y0, x1, y1) boxes
+            corner = torch.rand((batch, TEXT_LEN, 2), generator=gen) * 0.5
+            main["bbox"] = torch.cat([corner, corner + 0.25], dim=-1)
+        state_dim = _cfg(config, "max_state_dim")
+        if "state" in takes and isinstance(state_dim, int):  # pi0: the robot state the action expert conditions on
+            main["state"] = torch.randn((batch, state_dim), generator=gen)
+        if "lang_ids" in takes:  # xmod: the language adapter of each row (a model without a default language)
+            main["lang_ids"] = torch.zeros(batch, dtype=torch.long)
+        codebooks = getattr(config, "num_codebooks", None)
+        if getattr(config, "model_type", "").startswith("musicgen") and isinstance(codebooks, int) and codebooks > 1:
+            # musicgen decoders: one row of audio codes per codebook, (batch * codebooks, length)
+            main["input_ids"] = ids.repeat_interleave(codebooks, dim=0)
     if pixel:
         if "image_grid_thw" in takes:
             pixels, grid = qwen_vl_pixels(gen, config)
             main["pixel_values"], main["image_grid_thw"] = pixels, grid
+        elif "image_position_ids" in takes:
+            main["pixel_values"], main["image_position_ids"] = patchified_pixels(gen, config)
         elif image_token is not None:
             main["pixel_values"] = image_tensor(gen, config, 1)
             if "image_sizes" in takes and _cfg(config, "image_grid_pinpoints") is not None:
@@ -193,8 +229,15 @@ def make_inputs(model, config, *, decoder_lm: bool, seed: int = 0) -> Dict[str, 
                 h, w = pix.shape[-2:]
                 main["pixel_values"] = torch.stack([pix[0], pix[0].flip(-1)]).unsqueeze(0)
                 main["image_sizes"] = torch.tensor([[h, w]])
+        elif "state" in takes and "pixel_attention_mask" in takes:
+            # pi0: every row sees its camera images, (batch, cameras, C, H, W) and which cameras are real
+            main["pixel_values"] = image_tensor(gen, config, batch).unsqueeze(1)
+            main["pixel_attention_mask"] = torch.ones((batch, 1), dtype=torch.bool)
         else:
             main["pixel_values"] = image_tensor(gen, config, 2 if text else batch)
+    if "qformer_input_ids" in main and isinstance(main.get("pixel_values"), torch.Tensor):
+        for key in ("qformer_input_ids", "qformer_attention_mask"):  # one instruction per image
+            main[key] = main[key][: main["pixel_values"].shape[0]]
     if not text and not pixel:
         main.update(audio_inputs(gen, config, takes, 2))
         if not main:
@@ -255,35 +298,43 @@ def main_batch(main: dict) -> int:
 FEATURES_RE = re.compile(r"features:?\s*(\d+)|(\d+)\s*features", re.I)
 
 
-def place_image_tokens(main: dict, n_tokens: int) -> dict:
-    """Put ``n_tokens`` image tokens (one image) in row 0, after a few text tokens."""
+def place_image_tokens(main: dict, n_tokens: int, takes=(), config=None) -> dict:
+    """Put ``n_tokens`` image tokens (one image) in row 0, after a few text tokens, between the vision start and
+    end tokens where the config has them (Qwen-VL processors; the Omni thinkers count images from them); with the
+    ``mm_token_type_ids`` the processors of M-RoPE models return (1 = image) when the forward takes them."""
     token = main.pop("__image_token__")
     ids = main["input_ids"]
     if n_tokens + 4 > ids.shape[1]:
         raise InputError(f"{n_tokens} image tokens do not fit {ids.shape[1]} text tokens")
     ids[0, 2:2 + n_tokens] = token
+    for name, where in (("vision_start_token_id", 1), ("vision_end_token_id", 2 + n_tokens)):
+        value = getattr(config, name, None) if config is not None else None
+        if isinstance(value, int) and 0 <= value < vocab_size(config):
+            ids[0, where] = value
     main["input_ids"] = ids
+    placed = torch.zeros_like(ids, dtype=torch.bool)
+    placed[0, 2:2 + n_tokens] = True
+    if "mm_token_type_ids" in takes:
+        main["mm_token_type_ids"] = placed.to(torch.int32)
+    if "image_embeds_position_mask" in takes:
+        main["image_embeds_position_mask"] = placed.to(torch.long)
     return main
+
+
+IMAGE_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "image_position_ids", "pixel_attention_mask",
+              "spatial_shapes", "image_merge_sizes", "image_grid_hw", "qformer_input_ids", "qformer_attention_mask")
 
 
 def count_image_tokens(model, main: dict) -> Optional[int]:
     """How many image tokens the model wants for ``main['pixel_values']``: from get_image_features when it exists.
 
-    When the plain 4D image is refused, two other layouts are tried, and ``main`` is changed to the one that works:
-    with ``image_sizes`` (pixtral/mistral3 towers need the size of each image) and as a 5D batch of one image per
-    row (idefics2/3, smolvlm: ``(batch, images, channels, height, width)``).
+    When the first layout is refused, the other layouts processors produce are tried (``image_layouts``), and
+    ``main`` is changed to the first one the model's ``get_image_features`` accepts.
     """
     n = _count_image_tokens(model, main)
     if n is not None:
         return n
-    takes = set(forward_params(model))
-    pix = main.get("pixel_values")
-    variants = []
-    if "image_sizes" in takes and "image_sizes" not in main and isinstance(pix, torch.Tensor) and pix.dim() == 4:
-        variants.append({"image_sizes": torch.tensor([list(pix.shape[-2:])] * pix.shape[0])})
-    if isinstance(pix, torch.Tensor) and pix.dim() == 4:
-        variants.append({"pixel_values": pix.unsqueeze(1)})
-    for extra in variants:
+    for extra in image_layouts(model, main):
         n = _count_image_tokens(model, {**main, **extra})
         if n is not None:
             main.update(extra)
@@ -291,8 +342,61 @@ def count_image_tokens(model, main: dict) -> Optional[int]:
     return None
 
 
+def image_layouts(model, main: dict) -> list:
+    """Other layouts of the same image, as the processors of other model families produce them."""
+    takes = set(forward_params(model))
+    vc = vision_config(model.config)
+    patch = getattr(vc, "patch_size", None)
+    pix = main.get("pixel_values")
+    grid = main.get("image_grid_thw")
+    out = []
+    if not isinstance(pix, torch.Tensor):
+        return out
+    if pix.dim() == 2 and isinstance(grid, torch.Tensor):
+        # Qwen-VL style flattened patches of 2 frames; towers without temporal patches want one frame (dots3),
+        # as (patches, C * p * p), (patches, C, p, p) (kimi_k25) or (1, patches, C, p, p) (paddleocr_vl)
+        one = pix[:, : pix.shape[-1] // 2].contiguous() if pix.shape[-1] % 2 == 0 else pix
+        layouts = [one]
+        if isinstance(patch, int) and one.shape[-1] % (patch * patch) == 0:
+            square = one.reshape(one.shape[0], -1, patch, patch)
+            layouts += [square, square.unsqueeze(0)]
+        merge = int(getattr(vc, "spatial_merge_size", None) or getattr(vc, "merge_size", None) or 2)
+        for layout in layouts:
+            out.append({"pixel_values": layout})
+            # video_llama_3: the merge size of each image
+            out.append({"pixel_values": layout, "image_merge_sizes": torch.tensor([merge] * grid.shape[0])})
+        if isinstance(patch, int) and grid[:, 1:].remainder(merge).eq(0).all():
+            # inkling2: one (merge * p, merge * p, C) pixel block per language-model token, the grid counted in tokens
+            tokens = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum()) // (merge * merge)
+            side = merge * patch
+            if one.numel() >= tokens * side * side * 3:
+                block = one.flatten()[: tokens * side * side * 3].reshape(tokens, side, side, 3)
+                out.append({"pixel_values": block, "image_grid_thw": grid // torch.tensor([1, merge, merge])})
+    if pix.dim() == 4:
+        n, c, h, w = pix.shape
+        if "image_sizes" in takes and "image_sizes" not in main:  # pixtral/mistral3 towers: the size of each image
+            out.append({"image_sizes": torch.tensor([[h, w]] * n)})
+        # idefics2/3, smolvlm: a 5D batch of one image per row, with idefics3's pixel mask or granite_docling's tile mask
+        plain = {"pixel_values": pix.unsqueeze(1)}
+        masked = [{**plain, "pixel_attention_mask": torch.ones((n, 1, h, w), dtype=torch.bool)},
+                  {**plain, "pixel_attention_mask": torch.ones((n, 1), dtype=torch.bool)}]
+        out += masked + [plain] if "pixel_attention_mask" in takes else [plain] + masked
+        if isinstance(patch, int) and patch > 0 and h % patch == 0 and w % patch == 0:
+            # fuyu: the image as a sequence of flattened patches, (images, patches, patch * patch * channels);
+            # siglip2 naflex towers (lfm2_vl) with the patch grid and the patch mask
+            flat = pix.reshape(n, c, h // patch, patch, w // patch, patch).permute(0, 2, 4, 3, 5, 1)
+            flat = flat.reshape(n, (h // patch) * (w // patch), patch * patch * c)
+            out.append({"pixel_values": flat})
+            # nemotron_h_omni: the patches of all images concatenated, with each image's patch grid
+            out.append({"pixel_values": flat.reshape(-1, flat.shape[-1]),
+                        "image_grid_hw": torch.tensor([[h // patch, w // patch]] * n)})
+            out.append({"pixel_values": flat, "spatial_shapes": torch.tensor([[h // patch, w // patch]] * n),
+                        "pixel_attention_mask": torch.ones(flat.shape[:2], dtype=torch.long)})
+    return out
+
+
 def _count_image_tokens(model, main: dict) -> Optional[int]:
-    kwargs = {k: v for k, v in main.items() if k in ("pixel_values", "image_sizes", "image_grid_thw")}
+    kwargs = {k: v for k, v in main.items() if k in IMAGE_KEYS}
     for owner in (model, getattr(model, "model", None)):
         fn = getattr(owner, "get_image_features", None)
         if fn is None:

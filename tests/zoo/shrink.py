@@ -54,6 +54,10 @@ HIDDEN_KEYS = {
     "audio_embed_dim", "lang_embed_dim", "d_latents", "cross_hidden_size", "xvector_output_dim",
     "classifier_proj_size", "codevector_dim", "proj_codevector_dim", "mm_hidden_size", "vision_feature_dim",
     "text_config_hidden_size", "input_embedding_size", "hidden_dim_global", "pooler_hidden_size",
+    "adapter_in_dim", "adapter_input_size", "adapter_out_dim", "mm_embed_dim", "output_proj_dims",
+    "vision_output_dim", "projector_input_dim", "projector_output_dim", "image_token_embed_dim", "output_dim",
+    "post_conv_in_channels", "post_conv_out_channels", "post_conv_mid_channels", "output_channels",
+    "downsample_hidden_size", "projection_hidden_size",
 }
 INTER_KEYS = {
     "intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "d_inner",
@@ -62,7 +66,8 @@ INTER_KEYS = {
     "encoder_feedforward_dim", "decoder_dim_feedforward", "encoder_dim_feedforward", "linear_units",
     "feed_forward_size", "encoder_linear_units", "decoder_linear_units", "dff", "dim_ff", "mlp_dim",
     "vision_intermediate_size", "text_intermediate_size", "alignment_intermediate_size",
-    "projector_intermediate_size", "decoder_hidden_dim", "encoder_hidden_dim",
+    "projector_intermediate_size", "decoder_hidden_dim", "encoder_hidden_dim", "moe_shared_expert_intermediate_size",
+    "moe_hidden_size", "projection_hidden_dim",
 }
 HEADS_KEYS = {
     "num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
@@ -73,7 +78,7 @@ HEADS_KEYS = {
 }
 KV_KEYS = {
     "num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "encoder_num_key_value_heads",
-    "decoder_num_key_value_heads", "cross_num_key_value_heads", "kv_n_heads",
+    "decoder_num_key_value_heads", "cross_num_key_value_heads", "kv_n_heads", "num_query_groups",
 }
 HEAD_DIM_KEYS = {
     "head_dim", "attention_head_size", "kv_channels", "d_kv", "d_head", "dim_head", "attention_head_dim",
@@ -93,7 +98,8 @@ TEXT_POS_KEYS = {
 }
 AUDIO_POS_KEYS = {"max_source_positions", "max_speech_positions"}
 EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts"}
-TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k", "moe_k"}
+TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k", "moe_k", "num_experts_per_token",
+             "top_k_experts"}
 INDEX_LIST_KEYS = {
     "global_attn_indexes", "full_attn_idxs", "mlp_only_layers", "moe_layers", "fullatt_block_indexes",
     "window_block_indexes", "window_block_indices", "deepstack_visual_indexes", "cross_attention_layers",
@@ -138,28 +144,96 @@ class IdMap:
             self.next -= 1
         return self.map[value]
 
+    def fresh(self) -> int:
+        """A top id no special id was remapped to."""
+        value = self.next
+        self.next -= 1
+        return value
+
 
 def _is_subconfig(value: Any) -> bool:
     return isinstance(value, dict) and "model_type" in value
 
 
+TYPE_LIST_RE = re.compile(r"(_types?|_block_type)$")
+
+
+def _type_lists(d: dict, orig_layers: int) -> list:
+    """The per-layer type lists of a config level (``layer_types``, ``layers_block_type``, ``mlp_layer_types``,
+    ``block_types`` ...): lists of names, one per layer."""
+    return [k for k, v in d.items() if TYPE_LIST_RE.search(k) and isinstance(v, list) and len(v) == orig_layers
+            and v and all(isinstance(x, (str, type(None), list)) for x in v)]
+
+
 def _shrink_layer_lists(d: dict, orig_layers: int) -> Optional[list]:
-    """Pick the layers to keep: one of each distinct ``layer_types`` value (first occurrences), at least LAYERS."""
-    types = d.get("layer_types")
-    if isinstance(types, list) and len(types) == orig_layers and orig_layers > 0:
-        keep = []
-        for idx, item in enumerate(types):
-            key = repr(item)
-            if key not in {repr(types[i]) for i in keep}:
-                keep.append(idx)
-        for idx in range(orig_layers):
-            if len(keep) >= LAYERS:
-                break
-            if idx not in keep:
-                keep.append(idx)
-        keep = sorted(keep[:MAX_LAYERS])
-        return keep
-    return None
+    """Pick the layers to keep: the first layers that show each value of the per-layer type lists (a hybrid keeps
+    one attention and one Mamba/linear-attention layer, an MoE one dense and one sparse layer; one layer may show
+    one value of each list), at least LAYERS, at most MAX_LAYERS."""
+    keys = _type_lists(d, orig_layers) if orig_layers > 0 else []
+    if not keys:
+        return None
+    sig = [tuple(repr(d[k][i]) for k in keys) for i in range(orig_layers)]
+    first = []
+    for idx in range(orig_layers):
+        if sig[idx] not in {sig[i] for i in first}:
+            first.append(idx)
+    keep = []
+    for idx in first:  # greedy: layers that add a type not seen yet
+        if any(sig[idx][j] not in {sig[i][j] for i in keep} for j in range(len(keys))):
+            keep.append(idx)
+    for idx in first + list(range(orig_layers)):
+        if len(keep) >= LAYERS:
+            break
+        if idx not in keep:
+            keep.append(idx)
+    return sorted(keep[:MAX_LAYERS])
+
+
+def _shrink_layer_pattern(d: dict, n_layers: int, main_layers: int) -> int:
+    """Layer patterns that are cycled over the stack (recurrent_gemma's ``block_types``: recurrent, recurrent,
+    attention) and (period, offset) pairs (jamba/zamba: one attention layer every ``attn_layer_period`` layers from
+    ``attn_layer_offset``): the tiny stack must still hold each kind. Returns the number of layers needed."""
+    for key, v in d.items():
+        if TYPE_LIST_RE.search(key) and isinstance(v, list) and 1 < len(v) < min(16, main_layers) \
+                and all(isinstance(x, str) for x in v):
+            firsts = {x: v.index(x) for x in v}
+            n_layers = max(n_layers, min(MAX_LAYERS, max(firsts.values()) + 1))
+    for key in list(d):
+        if key.endswith("_layer_period") and _int(d[key]) and d[key] > LAYERS:
+            offset_key = key[: -len("period")] + "offset"
+            d[key] = LAYERS
+            if _int(d.get(offset_key)) is not None:
+                d[offset_key] = min(d[offset_key], LAYERS - 1)
+    return n_layers
+
+
+def _shrink_per_layer(pl: dict, keep: list, ids: "IdMap", path: str) -> dict:
+    """``per_layer_config`` (gemma4: ``{"05": {"head_dim": 512}}``, dots3: MLA sizes of the sliding layers): the
+    entries of the kept layers, renumbered to their tiny index (same key format), their values shrunk like a level."""
+    out = {}
+    for new_idx, old_idx in enumerate(keep):
+        for key, value in pl.items():
+            if str(key).isdigit() and int(key) == old_idx:
+                new_key = f"{new_idx:0{len(key)}d}" if isinstance(key, str) else new_idx
+                out[new_key] = shrink_dict(value, ids, path + "per_layer_config.") if isinstance(value, dict) else value
+    for key, value in pl.items():  # keyed by layer type, not index
+        if not str(key).isdigit():
+            out[key] = shrink_dict(value, ids, path + "per_layer_config.") if isinstance(value, dict) else value
+    return out
+
+
+LAYER_GROUP_RE = re.compile(r"^(n|num)_\w+_layers$")
+
+
+def _shrink_layer_groups(d: dict, main_layers: int) -> None:
+    """Layer counts that partition the stack (dory: ``n_input_layers + n_recurrent_layers + n_output_layers ==
+    num_hidden_layers``): one layer per group, the total kept equal to their sum."""
+    groups = {k: v for k, v in d.items() if LAYER_GROUP_RE.match(k) and k not in LAYER_KEYS and _int(v) and v > 0}
+    if len(groups) < 2 or sum(groups.values()) != main_layers or "num_hidden_layers" not in d:
+        return
+    for key in groups:
+        d[key] = 1
+    d["num_hidden_layers"] = len(groups)
 
 
 def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
@@ -180,7 +254,7 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
             orig_layers[key] = v
     main_layers = orig_layers.get("num_hidden_layers") or (max(orig_layers.values()) if orig_layers else None)
     keep = _shrink_layer_lists(d, main_layers) if main_layers else None
-    n_layers = len(keep) if keep else LAYERS
+    n_layers = _shrink_layer_pattern(d, len(keep) if keep else LAYERS, main_layers or 0)
     for key, v in orig_layers.items():
         d[key] = min(v, n_layers) if key in ("num_hidden_layers",) or v == main_layers else min(v, LAYERS)
     if main_layers:
@@ -202,12 +276,16 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
         for key in ("max_window_layers",):
             if isinstance(d.get(key), int):
                 d[key] = min(d[key], new_main)
-        for key in ("first_k_dense_replace",):
+        for key in ("first_k_dense_replace", "num_dense_layers"):  # MoE: one dense layer, the others MoE
             if isinstance(d.get(key), int) and d[key] > 0:
                 d[key] = min(d[key], 1)
+        _shrink_layer_groups(d, main_layers)
+    types = [x for k in _type_lists(d, main_layers or 0) for x in d[k] if isinstance(x, str)]
+    if any("sliding" in x for x in types) and "sliding_window" in d and d["sliding_window"] is None:
+        d["sliding_window"] = 32  # step3p7: sliding layers, and a default config without their window
     pl = d.get("per_layer_config")
     if isinstance(pl, dict) and main_layers:
-        d["per_layer_config"] = {k: v for k, v in pl.items() if str(k).isdigit() and int(k) < min(main_layers, n_layers)}
+        d["per_layer_config"] = _shrink_per_layer(pl, keep or list(range(min(main_layers, n_layers))), ids, path)
     if orig_heads is not None:
         for key in ("head_dim",):
             if key in d and d[key] is None:
@@ -217,6 +295,8 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
                 d[key] = _heads(orig_heads)
     # Mamba-2 style mixers: heads * head_dim must equal expand * hidden
     for heads_key, dim_key, expand_key, marker in (("mamba_n_heads", "mamba_d_head", "mamba_expand", "mamba_n_heads"),
+                                                   ("n_mamba_heads", "mamba_headdim", "mamba_expand", "n_mamba_heads"),
+                                                   ("mamba_num_heads", "mamba_head_dim", "expand", "mamba_num_heads"),
                                                    ("num_heads", "head_dim", "expand", "state_size")):
         if isinstance(d.get(heads_key), int) and marker in d:
             expand = d.get(expand_key) if isinstance(d.get(expand_key), int) else 2
@@ -232,9 +312,11 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
                 d[key] = EXPERTS
         if "n_shared_experts" in d and d["n_shared_experts"] is None:
             d["n_shared_experts"] = 1
-        for key in ("num_experts_per_tok",):
+        for key in ("num_experts_per_tok", "top_k_experts"):
             if key in d and d[key] is None:
                 d[key] = TOPK
+        if "moe_intermediate_size" in d and d["moe_intermediate_size"] is None:
+            d["moe_intermediate_size"] = INTER
     for key in ("mamba_d_state", "state_size", "ssm_state_size"):
         if isinstance(d.get(key), int) and d[key] > 16:
             d[key] = 16
@@ -246,6 +328,17 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
             d[key] = 1
     if isinstance(d.get("time_step_rank"), int) and d["time_step_rank"] > 8:
         d["time_step_rank"] = 8
+    if isinstance(d.get("channel_multiplier"), list) and _int(d.get("base_channels")):
+        # VQ-GAN image tokenizers (emu3, chameleon, janus): the narrowest widths their GroupNorm(32) allows, one
+        # residual block per stage, a 64-code codebook
+        d["base_channels"] = min(d["base_channels"], 32)
+        for key, cap in (("num_res_blocks", 1), ("codebook_size", 64), ("num_embeddings", 64), ("latent_channels", 8),
+                         ("embed_dim", 8), ("resolution", IMAGE_SIZE)):
+            if _int(d.get(key)) and d[key] > cap:
+                d[key] = cap
+        if _int(d.get("hidden_size")):  # emu3: the mid-block attention runs at the widest stage's width
+            d["hidden_size"] = d["base_channels"] * max(d["channel_multiplier"])
+        d["_vq_set"] = True
     # hierarchical vision backbones (swin, focalnet, ...): stage widths are embed_dim * 2**i, windows of 8 px tokens
     if hierarchical and _int(d.get("embed_dim")) and d["embed_dim"] > 16:
         d["embed_dim"] = 16
@@ -266,9 +359,11 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
         d["num_query_pool"] = min(d["num_query_pool"], max(0, len(d["depths"]) - 1))
     if _int(d.get("num_groups")) and d["num_groups"] > 4 and "hidden_sizes" in d:  # bit: group norm groups
         d["num_groups"] = 4
-    if d.get("is_encoder_decoder") is True and "decoder_start_token_id" in d and d["decoder_start_token_id"] is None \
+    if d.get("is_encoder_decoder") is True and d.get("decoder_start_token_id") is None \
             and _int(d.get("pad_token_id")) is not None:
-        d["decoder_start_token_id"] = d["pad_token_id"]  # t5: classification heads shift right with it
+        # t5: classification heads and labels shift right with it; 5.x T5Config no longer declares it, and the
+        # checkpoints' config.json carry it
+        d["decoder_start_token_id"] = d["pad_token_id"]
     for key in ("vision_feature_layer", "feature_layer", "select_layer", "vision_feature_layers"):
         v = d.get(key)
         if isinstance(v, int) and not isinstance(v, bool):
@@ -287,7 +382,8 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
         if isinstance(v, int):
             if key == d.get("_mamba_heads_set") or (key == "head_dim" and d.get("_mamba_heads_set") == "num_heads"):
                 continue
-            if (key == "embed_dim" and d.get("_embed_set")) or (key == "hidden_dim" and d.get("_hidden_dim_set")):
+            if (key == "embed_dim" and (d.get("_embed_set") or d.get("_vq_set"))) \
+                    or (key == "hidden_size" and d.get("_vq_set")) or (key == "hidden_dim" and d.get("_hidden_dim_set")):
                 continue
             if key in HIDDEN_KEYS and v > HIDDEN:
                 d[key] = HIDDEN
@@ -316,18 +412,19 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
                 d[key] = TOPK
             elif key == "n_shared_experts" and v > 1:
                 d[key] = 1
-            elif key in ("n_group", "topk_group"):
+            elif key in ("n_group", "topk_group", "num_expert_group"):
                 d[key] = 1
-            elif key in ("image_size", "img_size", "crop_size") and v > IMAGE_SIZE:
+            elif key in ("image_size", "img_size", "crop_size", "max_image_size", "min_image_size", "max_img_size") \
+                    and v > IMAGE_SIZE:
                 d[key] = IMAGE_SIZE
-            elif key in ("patch_size",) and v > PATCH:
+            elif key in ("patch_size", "model_patch_size") and v > PATCH:
                 d[key] = PATCH
             elif key in ("rotary_dim", "rotary_emb_dim") and orig.get("head_dim") and v > HEAD_DIM // 2:
                 # partial rotary (gpt-j, codegen): keep it partial, and never wider than the tiny head
                 d[key] = HEAD_DIM if v >= orig["head_dim"] else HEAD_DIM // 2
             elif key == "hidden_size_per_layer_input" and v > HEAD_DIM:
                 d[key] = HEAD_DIM
-            elif key == "resampler_n_latents" and v > 8:
+            elif key in ("resampler_n_latents", "latent_query_num") and v > 8:
                 d[key] = 8  # idefics2: image tokens per image
             elif key == "zero_expert_num" and v > 2:
                 d[key] = 2
@@ -345,6 +442,8 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
             elif key in ("sliding_window", "attention_chunk_size", "local_attention_window_len",
                          "attention_window_size") and v > 32:
                 d[key] = 32
+            elif key in ("position_embedding_size", "mm_posemb_size") and is_vision and v > TEXT_POSITIONS:
+                d[key] = TEXT_POSITIONS  # gemma4: rows per axis of the 2D patch position table
             elif key == "attention_window" and v > 8:
                 d[key] = 8
             elif key in ("num_conv_pos_embeddings", "conv_pos_kernel_size") and v > 16:
@@ -362,6 +461,9 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
                          "embed_dim_per_stage", "stage_out_channels", "stage_in_channels", "stage_mid_channels",
                          "fusion_hidden_sizes", "backbone_channel_list"):
                 d[key] = [min(x, 16 * (i + 1)) for i, x in enumerate(v)]
+            elif key == "downsample_channels":
+                # SAM necks of the OCR models: the last one feeds the next encoder (hidden size), halving before it
+                d[key] = [HIDDEN >> (len(v) - 1 - i) for i in range(len(v))]
             elif key in ("depths", "num_block_repeats", "blocks_per_stage", "stage_num_blocks", "block_repeats",
                          "stage_numb_of_layers", "depth"):
                 d[key] = [min(x, 1) for x in v]
@@ -377,12 +479,14 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
                 d[key] = [min(x, INTER) for x in v]
         elif key == "image_grid_pinpoints" and isinstance(v, list):
             d[key] = [[IMAGE_SIZE, IMAGE_SIZE]]
-        elif isinstance(v, dict) and key in ("rope_scaling", "rope_parameters"):
-            d[key] = _shrink_rope(v, _rotary_half(d))
     d.pop("_mamba_heads_set", None)
     d.pop("_embed_set", None)
     d.pop("_hidden_dim_set", None)
+    d.pop("_vq_set", None)
     _derived_dims(d, orig)
+    for key in ("rope_scaling", "rope_parameters"):  # after the head size is shrunk: sections sum to its half
+        if isinstance(d.get(key), dict):
+            d[key] = _shrink_rope(d[key], _rotary_half(d))
     if isinstance(d.get("mrope_section"), list):
         d["mrope_section"] = _scale_sections(d["mrope_section"], _rotary_half(d), force=True)
     return d
@@ -399,7 +503,8 @@ def _orig_dims(d: dict, orig_heads: Optional[int]) -> dict:
     if head_dim is None and hidden and orig_heads:
         head_dim = hidden // orig_heads
     return {"head_dim": head_dim, "qk_rope_head_dim": _int(d.get("qk_rope_head_dim")),
-            "qk_nope_head_dim": _int(d.get("qk_nope_head_dim")), "qk_head_dim": _int(d.get("qk_head_dim"))}
+            "qk_nope_head_dim": _int(d.get("qk_nope_head_dim")), "qk_head_dim": _int(d.get("qk_head_dim")),
+            "hidden": hidden, "attention_hidden_size": _int(d.get("attention_hidden_size"))}
 
 
 def _derived_dims(d: dict, orig: dict) -> None:
@@ -413,6 +518,12 @@ def _derived_dims(d: dict, orig: dict) -> None:
     heads, dhead = _int(d.get("mamba_n_heads")), _int(d.get("mamba_d_head"))
     if heads and dhead and _int(d.get("mamba_d_ssm")):  # falcon-h1: d_ssm = heads x head dim
         d["mamba_d_ssm"] = heads * dhead
+    if orig.get("hidden") and orig.get("attention_hidden_size") == 2 * orig["hidden"] and _int(d.get("hidden_size")):
+        # zamba/zamba2: the shared attention block reads [hidden states, input embeddings] concatenated
+        d["attention_hidden_size"] = 2 * d["hidden_size"]
+        heads = _int(d.get("num_attention_heads"))
+        if heads and _int(d.get("attention_head_dim")):
+            d["attention_head_dim"] = d["attention_hidden_size"] // heads
 
 
 def _rotary_half(d: dict) -> int:
@@ -457,20 +568,59 @@ def shrink_config(config, overrides: Optional[dict] = None):
     d = config.to_dict()
     for noisy in ("id2label", "label2id", "_name_or_path", "transformers_version", "architectures"):
         d.pop(noisy, None)
+    _fill_optional_vision(config, d)
     _drop_base_defaults(d)
     ids = IdMap()
     d = shrink_dict(d, ids)
     d = _drop_sub_labels(d)
     _default_pad(d)
+    _default_image_token(d, ids)
     if overrides:
         d = _merge(d, overrides)
     cls = type(config)
     d.pop("model_type", None)
-    try:
-        new = cls.from_dict(d)
-    except TypeError:
-        new = cls(**d)
+    new = _build(cls, d)
+    patch = _mrope_refit(new.to_dict())
+    if patch:  # sections the constructors filled in from their full-size defaults
+        new = _build(cls, _merge(d, patch))
     return new
+
+
+def _build(cls, d: dict):
+    try:
+        return cls.from_dict(copy.deepcopy(d))
+    except TypeError:
+        return cls(**copy.deepcopy(d))
+
+
+def _mrope_refit(d: dict) -> dict:
+    """M-RoPE sections that a constructor set from its defaults (glm46v, glm_ocr, paddleocr_vl: ``mrope_section``
+    [8, 12, 12] for a 64-dim rotary half) and that do not fit the tiny head: ``{path: rope dict}`` to merge in."""
+    patch = {}
+    for key, v in d.items():
+        if isinstance(v, dict) and key in ("rope_scaling", "rope_parameters"):
+            sec = v.get("mrope_section")
+            half = _rotary_half(d)
+            if isinstance(sec, list) and sec and sum(sec) != half:
+                patch[key] = {**v, "mrope_section": _scale_sections(sec, half, force=True)}
+        elif isinstance(v, dict):
+            sub = _mrope_refit(v)
+            if sub:
+                patch[key] = sub
+    return patch
+
+
+def _fill_optional_vision(config, d: dict) -> None:
+    """A composite whose vision tower is optional and absent by default (Gemma 4: ``vision_config`` None, a
+    text-only model) gets its vision sub-config's defaults, shrunk like any other: the image-text classes are
+    built with a vision tower, as from a multimodal checkpoint."""
+    subs = getattr(config, "sub_configs", None)
+    sub_cls = subs.get("vision_config") if isinstance(subs, dict) else None
+    if sub_cls is not None and d.get("vision_config", 0) is None:
+        try:
+            d["vision_config"] = sub_cls().to_dict()
+        except Exception:  # noqa: BLE001 - a sub-config without usable defaults: the model stays text-only
+            return
 
 
 def _drop_base_defaults(d: dict) -> None:
@@ -497,6 +647,14 @@ def _default_pad(d: dict) -> None:
         sub = d.get(key)
         if isinstance(sub, dict) and sub.get("pad_token_id", 0) is None and isinstance(sub.get("vocab_size"), int):
             sub["pad_token_id"] = 0
+
+
+def _default_image_token(d: dict, ids: IdMap) -> None:
+    """A Q-Former composite whose default config leaves its image placeholder id None (blip-2, instructblip: the
+    checkpoints set ``image_token_index``) gets a free top id of the tiny vocab, as the other remapped special ids.
+    (Not every None placeholder means that: minicpm-v finds its images without one.)"""
+    if isinstance(d.get("qformer_config"), dict) and "image_token_index" in d and d["image_token_index"] is None:
+        d["image_token_index"] = ids.fresh()
 
 
 def _drop_sub_labels(d: dict) -> dict:
