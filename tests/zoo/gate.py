@@ -66,7 +66,7 @@ COMPILE_FAMILIES = ("llama", "mistral", "qwen2")
 SEED = 0
 GROUP_TIMEOUT_S = 60
 MAX_PARAMS = 2_500_000  # a tiny model has ~0.1-1M; more means the shrinker missed a dimension
-MAX_TRIAL_S = 1.5  # one fp32 forward of the main batch
+MAX_TRIAL_S = 1.5  # CPU seconds of one fp32 forward of the main batch
 
 
 # ----------------------------------------------------------------------------------------------- enumeration
@@ -159,20 +159,22 @@ class GroupTimeout(Exception):
 
 @contextlib.contextmanager
 def time_limit(seconds):
+    """Raise GroupTimeout after ``seconds`` of this process's CPU time (ITIMER_PROF, not wall time: on a machine
+    shared with other jobs a wall-clock limit skipped models by the load, not by their cost)."""
     if seconds <= 0 or not hasattr(signal, "setitimer"):
         yield
         return
 
     def on_alarm(signum, frame):
-        raise GroupTimeout(f"time limit of {seconds}s exceeded")
+        raise GroupTimeout(f"time limit of {seconds}s CPU exceeded")
 
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    old = signal.signal(signal.SIGPROF, on_alarm)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
 
 
 def exc_record(e: BaseException) -> dict:
@@ -253,12 +255,31 @@ def run_step(model, kwargs, backward=True):
     return rec
 
 
+def config_for(cls, config):
+    """The config the Auto classes hand to ``cls``: the text sub-config when ``cls`` is the text model of a composite
+    config (``AutoModelForCausalLM.from_pretrained`` of a Qwen3.5 or Gemma 4 checkpoint builds ``*ForCausalLM`` from
+    ``config.get_text_config()``; 4.57 and 5.x alike), the sub-config of the class's own config class for other
+    composites (a decoder sub-config), else the config itself."""
+    subs = getattr(config, "sub_configs", None) or {}
+    wanted = getattr(cls, "config_class", None)
+    if not isinstance(subs, dict) or wanted is None or isinstance(config, wanted):
+        return config
+    if subs.get("text_config") is wanted:
+        return config.get_text_config()
+    # the decoder of a composite (MusicgenForCausalLM from MusicgenConfig.decoder): the sub-config of its class
+    for key, sub_cls in subs.items():
+        value = getattr(config, key, None)
+        if sub_cls is wanted and isinstance(value, wanted):
+            return value
+    return config
+
+
 def build(cls, config, attn):
     import torch
 
     torch.manual_seed(SEED)
     kwargs = {"attn_implementation": attn} if attn else {}
-    model = cls._from_config(copy.deepcopy(config), **kwargs)
+    model = cls._from_config(copy.deepcopy(config_for(cls, config)), **kwargs)
     model.eval()
     return model
 
@@ -389,6 +410,7 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
     import torch
 
     import inputs as zin
+    import trainer_step as zts
 
     recs = {}
     with capture() as sink:
@@ -407,7 +429,7 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
     want_rope = plan.get("rope_probe") and need_bf16
     refs = rope_reference(model) if want_rope else {}
     for dtype_name, inp in plan["steps"]:
-        if dtype_name != "fp32" or inp not in inputs:
+        if dtype_name != "fp32" or inp not in inputs or inp in zts.STEPS:
             continue
         with gelu_gap(model) as gelu:
             rec = run_step(model, inputs[inp])
@@ -418,6 +440,10 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
         recs[f"{attn}|fp32|{inp}"] = rec
     if compile_backend and plan.get("compile") and attn == plan.get("compile_attn", attn):
         recs[f"{attn}|fp32|compile"] = compile_step(model, inputs["main"], compile_backend)
+    if "trainer" in inputs and attn == plan.get("trainer_attn"):  # last: training_step leaves the model in train()
+        for dtype_name, inp in plan["steps"]:
+            if inp in zts.STEPS:
+                recs[f"{attn}|fp32|{inp}"] = trainer_record(model, inputs["trainer"], inp, plan["trainer_kind"])
     del model
     if need_bf16:
         with capture() as sink:
@@ -444,6 +470,32 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
                     rec["probe"] = probe
                 recs[f"{attn}|bf16|{inp}"] = rec
     return recs
+
+
+def trainer_record(model, batches, step, kind):
+    """One Trainer step (``trainer_step.py``) as a step record: outputs are the step losses and
+    ``num_items_in_batch`` (-1: not counted), grads the accumulated gradients."""
+    import torch
+
+    import trainer_step as zts
+
+    rec = {"exc": None, "warn": [], "out": None, "grads": None,
+           "probe": {"num_items": None, **zts.label_counts(batches)}}
+    model.zero_grad(set_to_none=True)
+    with capture() as sink:
+        try:
+            losses, num, grads = zts.run(model, [fresh(b) for b in batches], step, kind, SEED)
+            rec["out"] = losses + [torch.tensor([-1.0 if num is None else float(num)])]
+            rec["grads"] = grads
+            rec["probe"]["num_items"] = num
+        except GroupTimeout:
+            raise
+        except Exception as e:  # noqa: BLE001
+            rec["exc"] = exc_record(e)
+    rec["warn"] = sink
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return rec
 
 
 def compile_step(model, kwargs, backend):
@@ -621,6 +673,7 @@ class TaskRunner:
 
     def _plain_class(self, st, c, cls, config, attns, decoder_lm):
         import inputs as zin
+        import trainer_step as zts
 
         # inputs come from an eager build (plain); sdpa where the class supports it
         try:
@@ -639,8 +692,9 @@ class TaskRunner:
             c["status"], c["reason"] = "skipped", (f"too large after shrinking: {n_params / 1e6:.1f}M parameters "
                                                    f"(largest {biggest}); needs an override")
             return
-        ins = zin.make_inputs(probe_model, config, decoder_lm=decoder_lm, seed=SEED)
+        ins = zin.make_inputs(probe_model, config_for(cls, config), decoder_lm=decoder_lm, seed=SEED)
         main = ins["main"]
+        image_token = main.get("__image_token__")
         if "__image_token__" in main:
             n = zin.count_image_tokens(probe_model, main)
             if n is None:
@@ -649,14 +703,23 @@ class TaskRunner:
                 rec = run_step(probe_model, trial, backward=False)
                 n = zin.tokens_from_error((rec["exc"] or {}).get("text", "")) if rec["exc"] else None
             if n is None:
+                # models that expand one placeholder per image themselves (llava & co. before 4.47 merged the
+                # image features into the text at the position of a single <image> token)
+                one = zin.place_image_tokens({**main, "input_ids": main["input_ids"].clone()}, 1,
+                                             zin.forward_params(probe_model), config_for(cls, config))
+                main["__image_token__"] = image_token
+                if any(not run_step(probe_model, batch, backward=False)["exc"]
+                       for batch in [one] + [b for _, b in zin.fallbacks(one)]):
+                    n = 1
+            if n is None:
                 raise zin.InputError("could not tell how many image tokens the model wants")
-            zin.place_image_tokens(main, n)
+            zin.place_image_tokens(main, n, zin.forward_params(probe_model), config_for(cls, config))
         # a trial forward; when the batch itself is refused, fall back to simpler batches (noted)
-        t_trial = time.time()
+        t_trial = time.process_time()  # CPU time: the load of other jobs does not count
         trial = run_step(probe_model, main, backward=False)
-        t_trial = time.time() - t_trial
+        t_trial = time.process_time() - t_trial
         if t_trial > MAX_TRIAL_S:
-            c["status"], c["reason"] = "skipped", f"too slow: one forward takes {t_trial:.1f}s (> {MAX_TRIAL_S}s)"
+            c["status"], c["reason"] = "skipped", f"too slow: one forward takes {t_trial:.1f}s CPU (> {MAX_TRIAL_S}s)"
             return
         if trial["exc"]:
             for label, variant in zin.fallbacks(main):
@@ -667,6 +730,12 @@ class TaskRunner:
                     break
         c["inputs"] = ins
         c["has_rope"] = bool(rotary_modules(probe_model))
+        kind = None if self.args.no_trainer else zts.batch_kind(c["labels"], zin.forward_params(probe_model))
+        if kind:  # the Trainer steps (trainer_step.py) on rows 0-1 of the batch the class accepted
+            ins["trainer"] = zts.micro_batches(main, kind, config_for(cls, config), image_token, SEED)
+            c["plan"]["steps"] += [("fp32", step) for step in zts.STEPS
+                                   if step != "trainer_lossfn" or zts.supports_loss_func()]
+            c["plan"]["trainer_kind"] = kind
         del probe_model
         groups = []
         for attn in attns:
@@ -678,6 +747,7 @@ class TaskRunner:
             groups = ["eager"]
         c["groups"] = groups
         c["plan"]["compile_attn"] = "sdpa" if "sdpa" in groups else groups[0]
+        c["plan"]["trainer_attn"] = groups[0]  # one group is enough: the Trainer's shims do not see the attention
         for attn in groups:
             recs = run_group(st["model_type"], cls, config, attn, ins, c["plan"], self.args.compile_backend)
             build_rec = recs.get(f"{attn}|build")
@@ -717,6 +787,19 @@ class TaskRunner:
         return out
 
 
+    def loss_probe(self, st, cls_name):
+        """``trainer_step.loss_probe`` on a fresh plain build of the class (its values None when it fails)."""
+        import trainer_step as zts
+
+        c = st["classes"][cls_name]
+        try:
+            with time_limit(self.args.group_timeout), capture():
+                model = build(c["cls"], st["config"], c["groups"][0])
+                return zts.loss_probe(model, fresh(c["inputs"]["trainer"][0]))
+        except Exception:  # noqa: BLE001 - the check then reports that it could not compare
+            return {"first_label_scored": None, "uses_num_items": None}
+
+
 def group_key(step_key):
     return step_key.split("|")[0]
 
@@ -744,6 +827,8 @@ def step_trigger(step_key):
         triggers.update({"left_pad", "long", "main"})
     if inp == "compile":
         triggers.add("compile")
+    if inp.startswith("trainer"):
+        triggers.add("trainer")
     return triggers
 
 
@@ -809,6 +894,33 @@ def run_check(name, plain_rec, shim_rec):
             return "worse", "packed gap not measured"
         detail = f"packed-vs-alone logits gap: plain {pg:.3g}, shimmed {sg:.3g}"
         return ("better" if sg < pg else "same" if sg == pg else "worse"), detail
+    if name == "num_items_scored":
+        # The count must become the number of labels the model's own loss scores: all of them when its loss
+        # scores position 0 (measured: trainer_step.first_label_scored), else those after position 0.
+        pn, sn, first = pp.get("num_items"), sp.get("num_items"), pp.get("first_label_scored")
+        if pn is None or sn is None or first is None:
+            return "worse", f"num_items_in_batch not comparable (plain {pn}, shimmed {sn}, position 0 scored: {first})"
+        scored = pp["labels_all"] if first else pp["labels_shifted"]
+        detail = (f"num_items_in_batch: plain {pn}, shimmed {sn}; the model's loss scores {scored} of "
+                  f"{pp['labels_all']} labels (position 0 {'scored' if first else 'never scored'})")
+        return ("better" if sn == scored != pn else "same" if sn == pn else "worse"), detail
+    if name == "ga_loss_divided":
+        # A model whose loss ignores num_items_in_batch (measured: trainer_step.loss_probe) must have each
+        # micro-batch loss divided by the accumulation steps: shimmed losses and gradients exactly half the plain
+        # ones (halving is exact in floating point), the count itself unchanged.
+        uses = pp.get("uses_num_items")
+        p_out, s_out = plain_rec.get("out") or [], shim_rec.get("out") or []
+        if uses is None or len(p_out) != len(s_out) or not p_out:
+            return "worse", f"not comparable (loss uses num_items_in_batch: {uses})"
+        halved = all(bool((s * 2 == p).all()) for s, p in zip(s_out[:-1], p_out[:-1])) and bool(
+            (s_out[-1] == p_out[-1]).all())
+        grads = plain_rec.get("grads") or {}
+        halved = halved and set(grads) == set(shim_rec.get("grads") or {}) and all(
+            bool((shim_rec["grads"][n] * 2 == g).all()) for n, g in grads.items())
+        detail = (f"step losses: plain {[round(float(t), 5) for t in p_out[:-1]]}, shimmed "
+                  f"{[round(float(t), 5) for t in s_out[:-1]]}; the model's loss "
+                  f"{'uses' if uses else 'ignores'} num_items_in_batch")
+        return ("better" if halved and not uses else "worse"), detail
     return "worse", f"unknown check {name!r}"
 
 
@@ -927,6 +1039,9 @@ def process_chunk(runner, chunk, declared, args, bisect_budget):
             left = compare(info["plain"], rest) if rest is not None else [{"kind": "exception", "detail": "rerun missing"}]
             checks = []
             for entry in info["declared"]:
+                if entry["check"] in ("num_items_scored", "ga_loss_divided") \
+                        and "first_label_scored" not in info["plain"].get("probe", {}):
+                    info["plain"].setdefault("probe", {}).update(runner.loss_probe(states[si], cls_name))
                 verdict, detail = run_check(entry["check"], info["plain"], info["shim"])
                 checks.append({"id": entry.get("id"), "shim": entry["shim"], "check": entry["check"],
                                "verdict": verdict, "detail": detail})
@@ -973,6 +1088,10 @@ def process_chunk(runner, chunk, declared, args, bisect_budget):
             entry = {"labels": c["labels"], "primary": c["primary"], "status": c["status"], "reason": c["reason"],
                      "notes": c["notes"], "groups": c.get("groups", []),
                      "steps": sorted(k for k in c.get("plain", {})), "failures": [], "declared_ok": []}
+            # the plain Trainer steps: None when they ran, else what they raised (identical in both phases is
+            # no failure, but then the class's Trainer path is not tested)
+            entry["trainer"] = {k.split("|")[2]: ((r.get("exc") or {}).get("text")) for k, r in c.get("plain", {}).items()
+                                if k.split("|")[2:3] and k.split("|")[2].startswith("trainer")}
             for (sj, cn, key), info in diffs_by.items():
                 if sj != si or cn != cls_name:
                     continue
@@ -1034,6 +1153,7 @@ def main(argv=None):
     ap.add_argument("--group-timeout", type=int, default=GROUP_TIMEOUT_S)
     ap.add_argument("--bisect-budget", type=float, default=90.0, help="seconds per worker for attributing differences")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-trainer", action="store_true", help="skip the Trainer steps (trainer_step.py)")
     ap.add_argument("--compile-backend", default="eager",
                     help="torch.compile backend of the fullgraph step: eager (dynamo tracing only, default), aot_eager, inductor")
     ap.add_argument("--declared", default=str(HERE / "declared_changes.toml"))
@@ -1057,6 +1177,8 @@ def main(argv=None):
             passthrough += [f"--{flag.replace('_', '-')}", str(value)]
     if args.no_compile:
         passthrough.append("--no-compile")
+    if args.no_trainer:
+        passthrough.append("--no-trainer")
     if args.control:
         passthrough.append("--control")
     procs = []
@@ -1134,6 +1256,16 @@ def report(args, results, crashed, wall, tmp):
         print(f"  {label:<20} {cov['mapping']:<50} {cov['run']:>4}/{cov['total']:<4} {pct:5.1f}%")
     pct_all = 100.0 * n_run / n_total if n_total else 100.0
     print(f"  {'overall':<20} {'':<50} {n_run:>4}/{n_total:<4} {pct_all:5.1f}%")
+    trainer_classes = [(r["model_type"], cn, c["trainer"]) for r in results for cn, c in r["classes"].items()
+                       if c.get("trainer")]
+    refused = defaultdict(list)
+    for mt, cn, steps in trainer_classes:
+        for step, text in steps.items():
+            if text:
+                refused[re.sub(r"[-+]?\d[\d.e+-]*", "#", text)[:120]].append(f"{mt}:{step}")
+    n_steps = sum(len(steps) for _, _, steps in trainer_classes)
+    print(f"  {'trainer steps':<20} {'ran plain / built (classes with a loss)':<50} "
+          f"{n_steps - sum(map(len, refused.values())):>4}/{n_steps:<4} ({len(trainer_classes)} classes)")
     if args.verbose:
         print("\nper model:")
         print(f"  {'model_type':<32} {'class':<48} {'status':<8} {'steps':>5} {'fail':>4} {'decl':>4}  s(plain/shim)  note")
@@ -1168,15 +1300,20 @@ def report(args, results, crashed, wall, tmp):
         if f.get("checks") and not f.get("leftover"):
             bad = [ch for ch in f["checks"] if ch["verdict"] != "better"]
             kind, detail = "declared check failed", "; ".join(f"{ch['check']}: {ch['detail']}" for ch in bad)
+            culprits = ",".join(sorted({ch["shim"] for ch in bad})) or culprits
         key = (culprits, kind, re.sub(r"[-+]?\d[\d.e+-]*", "#", detail)[:160])
-        grouped[key].append(f)
-    for (culprits, kind, _), items in sorted(grouped.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
-        sample = items[0]
-        first = (sample.get("leftover") or sample["diffs"])[0]
+        grouped[key].append((f, detail))
+    for (culprits, kind, _), pairs in sorted(grouped.items(), key=lambda kv: (kv[0][0], -len(kv[1]))):
+        items = [f for f, _ in pairs]
+        sample, detail = pairs[0]
         print(f"  [{culprits}] {kind}: {len(items)} steps, e.g. {sample['model_type']} {sample['class']} {sample['step']}")
-        print(f"      {first['detail'][:300]}")
+        print(f"      {detail[:300]}")
         steps = sorted({f"{f['model_type']}:{f['step']}" for f in items})
         print(f"      where: {', '.join(steps[:12])}{' ...' if len(steps) > 12 else ''}")
+    if refused and args.verbose:
+        print("\nTrainer steps that raise in the plain run too (not tested there):")
+        for text, where in sorted(refused.items(), key=lambda kv: -len(kv[1])):
+            print(f"  {len(where)} steps: {text}\n      where: {', '.join(where[:10])}{' ...' if len(where) > 10 else ''}")
     if crashed:
         print("\nworker crashes:")
         for k, rc, tail in crashed:
@@ -1194,6 +1331,7 @@ def report(args, results, crashed, wall, tmp):
         "coverage": coverage, "overall": {"run": n_run, "total": n_total},
         "skipped": [{"model_type": mt, "reason": reason} for mt, reason in skips],
         "failures": failures, "declared_ok": declared_ok, "wall_s": round(wall, 1),
+        "trainer_steps": {"built": n_steps, "refused": {k: v for k, v in refused.items()}},
         "crashed_workers": [{"worker": k, "rc": rc} for k, rc, _ in crashed],
         "models": results,
     }
