@@ -18,7 +18,9 @@ a cache object, empty at the prefill), adds
 ``padding_idx + 1`` to each row of ``position_ids`` whose smallest value is 0, when the shifted row still fits the
 position table. A 0 is never a position these models produce, so such a row is 0-based; positions the model numbered
 itself (``position_ids_start=2``) and every call with an attention mask are left as they are (bit-identical). The
-shift is a tensor expression without a Python branch on values, so it traces under ``torch.compile(fullgraph=True)``.
+shift is a tensor expression without a Python branch on values, so it traces under ``torch.compile(fullgraph=True)``
+and reads nothing back from an accelerator (no host-device synchronisation per step; only on CPU tensors, where a
+read is free, does it count the shifted rows for ``status().actions`` and skip calls with none).
 From 5.15 everything else that reads ``position_ids`` in these models is shift-invariant (flash-attention boundaries at
 the row minimum, packed-sequence detection by differences, MPNet's relative buckets by differences), so the result
 is exactly what ``position_ids_start=padding_idx + 1`` gives. Models whose embeddings have no absolute position table
@@ -119,10 +121,15 @@ def _wrapper(bind):
         padding_idx, rows = table
         position_ids, move = shifted(call["position_ids"], padding_idx + 1, rows)
         if not compiling():
-            moved = int(move.sum())
-            if not moved:
-                return wrapped(*args, **kwargs)  # positions the model numbered itself: the call as it was
-            acted(SPEC.id, "0-based padding-free rows started at padding_idx + 1", moved)
+            if position_ids.device.type == "cpu":  # reading a host tensor synchronises nothing: count the rows
+                moved = int(move.sum())
+                if not moved:
+                    return wrapped(*args, **kwargs)  # positions the model numbered itself: the call as it was
+                acted(SPEC.id, "0-based padding-free rows started at padding_idx + 1", moved)
+            else:
+                # On an accelerator the rows are not read (that would be a host-device synchronisation every
+                # step): a row that does not start at 0 gets + 0, the same values, as under torch.compile.
+                acted(SPEC.id, "padding-free calls checked on the device (rows starting at 0 shifted)")
         call["position_ids"] = position_ids
         return wrapped(**call)
 

@@ -136,3 +136,27 @@ def test_fix_survives_a_fullgraph_compile():
         context.__exit__(None, None, None)
         torch._dynamo.reset()
     assert torch.equal(fixed, own)
+
+
+def test_reads_no_value_off_the_cpu():
+    """No host-device synchronisation per step: on a device the shim decides nothing from values. A meta-device
+    model (tensors without values: any read raises) takes a padding-free call through the shim, and gets the
+    shifted positions (the meta output has the CPU run's shape; the values are checked on the CPU above)."""
+    from transformers import DataCollatorWithFlattening
+
+    model = probe_module.build("roberta").to("meta")
+    batch = DataCollatorWithFlattening()([{"input_ids": probe_module.EXAMPLE}, {"input_ids": probe_module.EXAMPLE}])
+    seen = []
+    hook = model.roberta.embeddings.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("position_ids")), with_kwargs=True)
+    given = batch["position_ids"].to("meta")
+    context = _applied()
+    try:
+        out = model(input_ids=batch["input_ids"].to("meta"), position_ids=given)
+        actions = ftshims.status()[SHIM].actions
+    finally:
+        context.__exit__(None, None, None)
+        hook.remove()
+    assert out.logits.device.type == "meta" and out.logits.shape[:2] == batch["input_ids"].shape
+    assert seen and seen[0] is not given and seen[0].device.type == "meta"  # the shifted positions went down
+    assert actions == {"padding-free calls checked on the device (rows starting at 0 shifted)": 1}
