@@ -430,8 +430,10 @@ def _recurrent_packing(ctx, train, pack) -> None:
     what += f" ({', '.join(covered[1])})" if covered else (f" (layer types {', '.join(recurrent)})" if recurrent else "")
     what += (" carry their state from one packed example into the next whatever the attention mask or implementation "
              "(flash attention included)")
-    if covered is None:
-        ctx.add(finding("packing-contamination", what + "; no ftshims shim separates them for this model.",
+    own_masks = covered is not None and ctx.version_lt("transformers", "5.0") and model_type not in ("lfm2", "qwen3_next")
+    if covered is None or own_masks:  # 4.x Bamba, Jamba, Granite-4 hybrid, Zamba2, Falcon-H1 build their own masks
+        ctx.add(finding("packing-contamination", what + "; no ftshims shim separates them for this model"
+                        + (" on this transformers (its attention masks are its own before 5.0)." if own_masks else "."),
                         "pass seq_idx / cu_seq_lens_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True, "
                         "return_seq_idx=True)) to the optimised kernels (flash-linear-attention, mamba-ssm, "
                         "causal-conv1d), or packing: false", severity=WARNING, file=train.path, key=pack["key"]))

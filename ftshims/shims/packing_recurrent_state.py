@@ -32,9 +32,12 @@ with every kernel the layer dispatches to (the same layer code runs, on shorter
 inputs); it costs one layer call per example instead of one per batch. Its
 attention layers are kept apart by ``packing_block_mask``.
 
-Applies to transformers >=4.53 (the mask-layer era, where ``packing_block_mask``
-isolates the attention of these models: 4.57 for Qwen3-Next and LFM2, 5.x for
-the others). Left alone, said once in the log, or in the notes: calls that
+Applies to transformers >=4.53, to the models whose attention masks come from
+``masking_utils`` (where ``packing_block_mask`` keeps their attention apart:
+LFM2 from 4.56, Qwen3-Next from 4.57, the others from 5.x). On 4.53-4.57 Bamba,
+Jamba, Granite-4 hybrid, Zamba2 and Falcon-H1 build their own attention masks:
+they are left alone (a note in the shim's status) and the doctor says no shim
+covers them there. Left alone, said once in the log, or in the notes: calls that
 carry upstream's own boundaries (upstream then keeps them apart with the
 optimised kernels, or raises), explicit caches (generation), layers whose
 output is not one tensor, and everything inside a ``torch.compile`` trace (the
@@ -190,6 +193,11 @@ def install(patcher, options) -> None:
     from ..spec import TargetMissing
 
     def part(module, base_name, layer_names):
+        if not callable(vars(module).get("create_causal_mask")):
+            # Its attention masks are its own in this release (Bamba, Jamba, Granite-4 hybrid, Zamba2, Falcon-H1 on
+            # 4.53-4.57): no shim keeps the attention apart, so splitting the recurrent layers alone proves nothing.
+            raise TargetMissing(f"{module.__name__} builds its own attention masks here (no masking_utils): packed "
+                                "examples leak through its attention too, which no shim isolates; left alone")
         base = vars(module).get(base_name)
         if base is None:
             raise TargetMissing(f"{module.__name__}.{base_name} not found")
