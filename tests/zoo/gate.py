@@ -443,7 +443,10 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
     if "trainer" in inputs and attn == plan.get("trainer_attn"):  # last: training_step leaves the model in train()
         for dtype_name, inp in plan["steps"]:
             if inp in zts.STEPS:
-                recs[f"{attn}|fp32|{inp}"] = trainer_record(model, inputs["trainer"], inp, plan["trainer_kind"])
+                with gelu_gap(model) as gelu:
+                    rec = trainer_record(model, inputs["trainer"], inp, plan["trainer_kind"])
+                rec["probe"].update(gelu)
+                recs[f"{attn}|fp32|{inp}"] = rec
     del model
     if need_bf16:
         with capture() as sink:
@@ -480,7 +483,7 @@ def trainer_record(model, batches, step, kind):
     import trainer_step as zts
 
     rec = {"exc": None, "warn": [], "out": None, "grads": None,
-           "probe": {"num_items": None, **zts.label_counts(batches)}}
+           "probe": {"num_items": None, "step": step, **zts.label_counts(batches)}}
     model.zero_grad(set_to_none=True)
     with capture() as sink:
         try:
@@ -868,6 +871,8 @@ def run_check(name, plain_rec, shim_rec):
 
     "same": the metric did not move: the declared shim did not act on this step (another declared shim did).
     """
+    import torch
+
     pp, sp = plain_rec.get("probe") or {}, shim_rec.get("probe") or {}
     if name == "rope_error_down":
         pe, se = pp.get("rope_err") or {}, sp.get("rope_err") or {}
@@ -898,6 +903,8 @@ def run_check(name, plain_rec, shim_rec):
         # The count must become the number of labels the model's own loss scores: all of them when its loss
         # scores position 0 (measured: trainer_step.first_label_scored), else those after position 0.
         pn, sn, first = pp.get("num_items"), sp.get("num_items"), pp.get("first_label_scored")
+        if pn == sn:
+            return "same", f"num_items_in_batch: {pn} in both runs"  # the shim did not act on this step
         if pn is None or sn is None or first is None:
             return "worse", f"num_items_in_batch not comparable (plain {pn}, shimmed {sn}, position 0 scored: {first})"
         scored = pp["labels_all"] if first else pp["labels_shifted"]
@@ -906,21 +913,33 @@ def run_check(name, plain_rec, shim_rec):
         return ("better" if sn == scored != pn else "same" if sn == pn else "worse"), detail
     if name == "ga_loss_divided":
         # A model whose loss ignores num_items_in_batch (measured: trainer_step.loss_probe) must have each
-        # micro-batch loss divided by the accumulation steps: shimmed losses and gradients exactly half the plain
-        # ones (halving is exact in floating point), the count itself unchanged.
+        # micro-batch loss divided by the accumulation steps: shimmed losses and gradients half the plain ones
+        # (exactly when no other shim changed the step; halving is exact in floating point), the count itself
+        # unchanged. Unchanged scales (ratio 1): the shim did not act here (another declared shim did).
         uses = pp.get("uses_num_items")
         p_out, s_out = plain_rec.get("out") or [], shim_rec.get("out") or []
-        if uses is None or len(p_out) != len(s_out) or not p_out:
-            return "worse", f"not comparable (loss uses num_items_in_batch: {uses})"
-        halved = all(bool((s * 2 == p).all()) for s, p in zip(s_out[:-1], p_out[:-1])) and bool(
-            (s_out[-1] == p_out[-1]).all())
-        grads = plain_rec.get("grads") or {}
-        halved = halved and set(grads) == set(shim_rec.get("grads") or {}) and all(
-            bool((shim_rec["grads"][n] * 2 == g).all()) for n, g in grads.items())
-        detail = (f"step losses: plain {[round(float(t), 5) for t in p_out[:-1]]}, shimmed "
-                  f"{[round(float(t), 5) for t in s_out[:-1]]}; the model's loss "
-                  f"{'uses' if uses else 'ignores'} num_items_in_batch")
-        return ("better" if halved and not uses else "worse"), detail
+        grads, shim_grads = plain_rec.get("grads") or {}, shim_rec.get("grads") or {}
+        if len(p_out) != len(s_out) or not p_out or set(grads) != set(shim_grads):
+            return "worse", "steps not comparable"
+        losses = list(zip(s_out[:-1], p_out[:-1]))  # the last output is the count: num_items_scored's business
+        detail = (f"step losses: plain {[round(float(p), 5) for _, p in losses]}, shimmed "
+                  f"{[round(float(s), 5) for s, _ in losses]}; the model's loss "
+                  f"{ {True: 'uses', False: 'ignores', None: 'refuses'}[uses]} num_items_in_batch")
+        if uses or pp.get("step") == "trainer_lossfn":
+            # the shim stays out of losses that read the count and of compute_loss_func runs
+            return "same", detail
+        if all(bool((s * 2 == p).all()) for s, p in losses) and all(
+                bool((shim_grads[n] * 2 == g).all()) for n, g in grads.items()):
+            return ("better" if uses is False else "worse"), detail + "; losses and gradients exactly halved"
+        norm = sum(float(g.double().abs().sum()) for g in grads.values())
+        shim_norm = sum(float(g.double().abs().sum()) for g in shim_grads.values())
+        ratios = [float(s) / float(p) for s, p in losses if float(p)] + ([shim_norm / norm] if norm else [])
+        detail += f"; scale ratios {[round(r, 4) for r in ratios]}"
+        if ratios and all(abs(r - 1.0) < 0.005 for r in ratios):
+            return "same", detail
+        if ratios and all(abs(r - 0.5) < 0.005 for r in ratios) and uses is False:
+            return "better", detail
+        return "worse", detail
     return "worse", f"unknown check {name!r}"
 
 
@@ -1008,7 +1027,9 @@ def process_chunk(runner, chunk, declared, args, bisect_budget):
     # and its packed gap moving with it is no claim of the packing shim's.
     shared = defaultdict(set)  # shim id -> steps it shares with another declared shim
     for where, info in diffs_by.items():
-        if len(info.get("declared") or []) > 1:
+        # (not the Trainer steps: their checks measure what each shim does, the count or the loss scale, and
+        # say "same" for a shim that did not act; rerunning each of them alone would double their cost)
+        if len(info.get("declared") or []) > 1 and "trainer" not in step_trigger(where[2]):
             for entry in info["declared"]:
                 shared[entry["shim"]].add(where)
     for shim_id, wheres in shared.items():
@@ -1298,7 +1319,8 @@ def report(args, results, crashed, wall, tmp):
         kind = first["kind"]
         detail = first["detail"]
         if f.get("checks") and not f.get("leftover"):
-            bad = [ch for ch in f["checks"] if ch["verdict"] != "better"]
+            bad = [ch for ch in f["checks"] if ch["verdict"] == "worse"] or [
+                ch for ch in f["checks"] if ch["verdict"] != "better"]
             kind, detail = "declared check failed", "; ".join(f"{ch['check']}: {ch['detail']}" for ch in bad)
             culprits = ",".join(sorted({ch["shim"] for ch in bad})) or culprits
         key = (culprits, kind, re.sub(r"[-+]?\d[\d.e+-]*", "#", detail)[:160])
