@@ -28,6 +28,12 @@ so they get the advisory ``num_items_in_batch_overcount_4_46`` instead.
 Fallback: models whose loss does not shift labels (classification, masked LM,
 encoder-decoders, custom ``compute_loss_func`` on a model without
 ``loss_type``) and batches whose labels are not tensors pass through unchanged.
+So do PEFT prompt tuning, p-tuning and multitask prompt tuning (since ftshims 0.2.0):
+``PeftModelForCausalLM.forward`` prepends ``num_virtual_tokens`` labels of -100, so
+the shifted loss scores every label of the batch (the last virtual position predicts
+label 0) and the installed count over all labels is exact; ``labels[..., 1:]`` would
+drop one target per row (5.10.1+ upstream counts it that way: 14 for 16 scored
+labels on a tiny prompt-tuned Llama on 5.24.0, an upstream bug of its own).
 
 Follow-ups: #46903 (encoder-decoders counted over all labels, 5.15.0) — carried.
 ``"ForConditionalGeneration"`` maps to ``ForCausalLMLoss`` too, so #46204 alone also counted T5, BART,
@@ -99,6 +105,23 @@ def loss_shifts_labels(trainer) -> bool:
         return False
 
 
+# peft types whose PeftModelForCausalLM.forward prepends num_virtual_tokens labels of -100 to the batch's labels
+# (peft 0.4.0-0.21.2, the branch after prefix tuning and CPT): the causal shift then scores every label of the batch,
+# label 0 by the last virtual position, so the installed count over all labels is the right one.
+PREPENDING = ("PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING")
+
+
+def prepends_ignored_labels(model) -> bool:
+    """Whether ``model`` is a PeftModel whose active adapter prepends ignored labels (prompt tuning, p-tuning,
+    multitask prompt tuning)."""
+    try:
+        config = model.active_peft_config
+    except (AttributeError, KeyError, TypeError):  # not a PeftModel, or no single active adapter
+        return False
+    kind = getattr(config, "peft_type", None)
+    return str(getattr(kind, "value", kind)) in PREPENDING
+
+
 def scored_labels(batch):
     """The labels ``ForCausalLMLoss`` scores for ``batch``, or None when they cannot be told."""
     shifted = batch.get("shift_labels") if hasattr(batch, "get") else None
@@ -117,6 +140,8 @@ def _get_num_items_in_batch(wrapped, instance, args, kwargs):
         batch_samples, rest = kwargs.pop("batch_samples", None), ()
     if not batch_samples or not isinstance(batch_samples, list) or not loss_shifts_labels(instance):
         return wrapped(batch_samples, *rest, **kwargs)
+    if prepends_ignored_labels(getattr(instance, "model", None)):
+        return wrapped(batch_samples, *rest, **kwargs)  # every label is scored: the installed count is right
     counted = []
     for batch in batch_samples:
         labels = scored_labels(batch) if hasattr(batch, "keys") and "labels" in batch else None

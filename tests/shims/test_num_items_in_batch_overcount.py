@@ -168,3 +168,28 @@ def test_encoder_decoder_is_not_a_shifting_loss(name):
     with tiny.quiet():
         trainer = _trainer(model)
     assert not probe_module.loss_shifts_labels(trainer)
+
+
+@pytest.mark.parametrize("method", ["prompt_tuning", "p_tuning"])
+def test_prompt_learning_that_prepends_labels_keeps_the_full_count(method):
+    """Do no harm: PEFT prompt tuning / p-tuning prepend num_virtual_tokens labels of -100, so the shifted loss scores
+    every label of the batch (label 0 by the last virtual position). The installed count over all labels is exact;
+    counting labels[..., 1:] would drop one target per row (16 -> 14 here)."""
+    import torch
+    from peft import PromptEncoderConfig, PromptTuningConfig, get_peft_model
+
+    from ftshims import tiny
+
+    config = (PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3) if method == "prompt_tuning" else
+              PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=16))
+    with tiny.quiet():
+        model = get_peft_model(tiny.tiny_llama(), config)
+        trainer = _trainer(model)
+    batch = tiny.batch(batch_size=2, seq_len=8)
+    padded = torch.cat([torch.full((2, 3), -100), batch["labels"]], dim=1)  # what PEFT's forward hands the loss
+    scored = int(padded[..., 1:].ne(-100).sum())
+    with ftshims.applied(only=[SHIM]) as report:
+        if not report[SHIM].active:
+            pytest.skip(f"{SHIM} not active here: {report[SHIM].reason}")
+        shimmed = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
+    assert int(shimmed) == scored == 16
