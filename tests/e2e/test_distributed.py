@@ -5,13 +5,15 @@ The engines run ``dist/train_ranks.py`` (see its docstring): one process alone (
 torchrun ranks that train with DDP, then with FSDP2 (``fully_shard``: DTensor parameters), then run a
 ``Trainer`` step, and two ranks started by ``accelerate launch`` with an FSDP config. ftshims comes
 only from the start-up hook (``FTSHIMS_AUTO=1``): the script never calls ``apply()``. The three
-launches start together (two cores: 80-100 s for the module on an idle machine).
+launches start together: the module takes 56 s on the default stack (2 cores, load 4; 45 s of CPU), 107 s
+at load 10, and 118 s on t5_24_torch215 at load 10.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -74,16 +76,25 @@ def launches(tmp_path_factory):
                        "--main_process_port", "0", *script, str(root / "accelerate"), "--engine", "accelerate"],
     }
     logs = {name: open(root / f"{name}.log", "w") for name in commands}
+    # each launch in its own process group, so that a kill reaches the ranks a launcher started
     procs = {name: subprocess.Popen(argv, env=_env(FTSHIMS_AUTO="1"), stdout=logs[name], stderr=subprocess.STDOUT,
-                                    cwd=root) for name, argv in commands.items()}
+                                    cwd=root, start_new_session=True) for name, argv in commands.items()}
+    codes = {}
+    try:
+        for name, proc in procs.items():
+            try:
+                codes[name] = proc.wait(timeout=900)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                codes[name] = proc.wait()
+    finally:  # a failed wait leaves no launch running
+        for name, proc in procs.items():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            logs[name].close()
     results = {}
-    for name, proc in procs.items():
-        try:
-            code = proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        logs[name].close()
+    for name, code in codes.items():
         log = (root / f"{name}.log").read_text(errors="replace")
         assert code == 0, f"{name} exited {code}:\n{log[-4000:]}"
         results[name] = [json.loads(path.read_text()) for path in sorted((root / name).glob("rank*.json"))]
