@@ -191,10 +191,13 @@ def _lora_sha1(model) -> str:
     import hashlib
 
     digest = hashlib.sha1()
-    for name, parameter in sorted(model.named_parameters()):
-        if "lora_" in name:
-            digest.update(name.encode())
-            digest.update(parameter.detach().float().cpu().numpy().tobytes())
+    try:
+        for name, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if "lora_" in name:
+                digest.update(name.encode())
+                digest.update(parameter.detach().float().cpu().numpy().tobytes())
+    except Exception as exc:  # the probe must never break the run it observes (sharded parameters, say)
+        return f"error: {type(exc).__name__}: {exc}"
     return digest.hexdigest()
 
 
