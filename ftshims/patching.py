@@ -266,6 +266,25 @@ def _guarded(layer: _Layer, wrapper: Callable) -> Callable:
     return guarded
 
 
+class _Bound:
+    """The ``wrapped`` a method wrapper receives: calls ``inner(obj, ...)`` directly.
+
+    Not ``inner.__get__(obj)``: when the wrapped method graph-breaks under
+    ``torch.compile``, dynamo resumes by rebuilding that bound method by name
+    (``obj.forward``), which is the wrapper again: endless recursion (Qwen2-MoE on
+    4.57 compiled with ftshims 0.1.0). ``__func__``/``__self__`` are kept as a bound
+    method has them.
+    """
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, func: Callable, obj: Any) -> None:
+        self.__func__, self.__self__ = func, obj
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+
 def _plain_wrapper(inner: Callable, layer: _Layer, wrapper: Callable, method: bool) -> Callable:
     """A plain function calling ``wrapper(wrapped, instance, args, kwargs)`` like wrapt would.
 
@@ -280,7 +299,7 @@ def _plain_wrapper(inner: Callable, layer: _Layer, wrapper: Callable, method: bo
         @functools.wraps(inner)
         def patched(self, *args, **kwargs):
             if _ACTIVE.get(key, False):
-                return wrapper(inner.__get__(self, type(self)), self, args, kwargs)
+                return wrapper(_Bound(inner, self), self, args, kwargs)
             return inner(self, *args, **kwargs)
 
     else:

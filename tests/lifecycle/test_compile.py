@@ -226,3 +226,33 @@ def test_first_trace_through_acted_and_warn_once_has_no_side_effect():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "{} []"
+
+
+def test_method_wrapper_over_a_graph_break_compiles():
+    """A wrapped method whose body graph-breaks: dynamo resumes after the break by rebuilding ``wrapped`` by name
+    (``self.forward``), which was the wrapper again when it was a bound method: RecursionError (Qwen2-MoE on
+    4.57 compiled with ftshims 0.1.0). The wrapper still takes effect, and is gone after undo."""
+
+    class Inner(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            torch._dynamo.graph_break()
+            return y + 1
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x) * 3
+
+    patcher = Patcher("graph_break_test")
+    patcher.wrap(Inner, "forward", _times_100)
+    try:
+        out = torch.compile(Outer(), backend="eager")(torch.ones(2))
+        assert torch.equal(out, torch.full((2,), 900.0))
+    finally:
+        patcher.undo()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(Outer(), backend="eager")(torch.ones(2)), torch.full((2,), 9.0))

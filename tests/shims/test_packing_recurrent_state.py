@@ -151,9 +151,6 @@ def test_boundaries_the_caller_hands_to_upstream_are_left_to_upstream(gated_delt
     assert torch.equal(plain, shimmed) if torch.is_tensor(plain) else plain == shimmed
 
 
-@pytest.mark.xfail(VERSION.major < 5, strict=False, reason="ftshims.patching's method wrappers recurse under torch.compile "
-                   "when the wrapped forward graph-breaks (Qwen3-Next on 4.57; Qwen2-MoE with ftshims 0.1.0 too): "
-                   "reported in /work/notes/packing.md with a tested fix to patching._plain_wrapper")
 def test_compiled_forward_is_left_as_it_is(gated_delta):
     # segments are data-dependent: inside a trace the shim stays out (and the doctor names the model)
     batch = {k: v for k, v in _packing.packed_batch(_packing.example_pair(), mask="none").items() if k != "labels"}
