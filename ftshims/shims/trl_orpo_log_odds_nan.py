@@ -94,16 +94,20 @@ def log1mexp(x):
 
     ``torch.where`` differentiates both branches and multiplies the unused one's gradient by 0; 0.27.0's
     ``log1p(-exp(x))`` is ``-inf`` with an infinite gradient for float32 ``x`` above ~-3e-8 (``exp`` rounds to
-    1), so the product is NaN there although that branch is not selected. Clamping ``x`` to ``<= -ln 2`` in the
-    ``log1p`` branch and to ``[-ln 2, -tiny]`` in the ``log(-expm1)`` branch changes no selected value except
-    ``x`` in ``(-tiny, 0]`` (``tiny``: the smallest normal float, 1.2e-38 in float32): 0.27.0 gives ``-inf``
-    at ``x = 0`` (an infinite log-odds, a NaN gradient), this gives ``log(tiny)`` (-87.3 in float32), finite."""
+    1), so the product is NaN there although that branch is not selected. Feeding the ``log1p`` branch ``x``
+    only below ``-ln 2`` (``-ln 2`` elsewhere) and the ``log(-expm1)`` branch ``x`` only in ``[-ln 2, -tiny]``
+    changes no selected value except ``x`` in ``(-tiny, 0]`` (``tiny``: the smallest normal float, 1.2e-38 in
+    float32): 0.27.0 gives ``-inf`` at ``x = 0`` (an infinite log-odds, a NaN gradient), this gives
+    ``log(tiny)`` (-87.3 in float32), finite. The inputs are chosen with ``torch.where``, not ``clamp``: from
+    torch 2.14 ``clamp``'s gradient at its bounds is 0, which would zero TRL's finite gradient at ``-ln 2``
+    and ``-tiny``; a selection passes every selected input's gradient through unchanged on every torch."""
     import torch
 
     tiny = torch.finfo(x.dtype).tiny if x.is_floating_point() else torch.finfo(torch.float32).tiny
     below = x < _LN2_NEG
-    small = torch.log1p(-torch.exp(x.clamp(max=_LN2_NEG)))
-    large = torch.log(-torch.expm1(x.clamp(min=_LN2_NEG, max=-tiny)))
+    ln2 = torch.full_like(x, _LN2_NEG)
+    small = torch.log1p(-torch.exp(torch.where(below, x, ln2)))
+    large = torch.log(-torch.expm1(torch.where(below, ln2, torch.where(x > -tiny, torch.full_like(x, -tiny), x))))
     return torch.where(below, small, large)
 
 
