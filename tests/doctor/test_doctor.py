@@ -725,20 +725,18 @@ def test_tested_stack_on_the_real_stacks_file():
     assert section["status"] == "untested" and section["stacks"] == ["t4_56"]
 
 
-def test_tested_stack_tells_the_stacks_apart_by_torch():
-    """t5_24 and t5_24_torch215 pin the same Hugging Face stack: torch decides which one was tested."""
+def test_tested_stack_compares_torch_too():
+    """t5_24 runs torch 2.15.0, every other stack 2.13.0: the same Hugging Face stack on another torch is untested."""
     from ftshims import datafiles
 
+    assert datafiles.torch_version("t5_24") == "2.15.0"
     hf = datafiles.pinned_versions("t5_24")
-    assert hf == datafiles.pinned_versions("t5_24_torch215")
     section = stacks_mod.tested_stack(dict(hf, torch="2.15.0+cu132"))
-    assert section["status"] == "exact" and section["stacks"] == ["t5_24_torch215"]
-    assert "exactly the tested stack t5_24_torch215" in section["message"] and "torch 2.15.0+cu132" in section["message"]
-    section = stacks_mod.tested_stack(dict(hf, torch="2.13.0+cpu"))
     assert section["status"] == "exact" and section["stacks"] == ["t5_24"]
-    section = stacks_mod.tested_stack(dict(hf, torch="2.14.1"))  # between the two: 2.15.0 is nearer
-    assert section["status"] == "untested" and section["stacks"] == ["t5_24_torch215"]
-    assert "torch 2.14.1 here, 2.15.0 tested" in section["message"]
+    assert "exactly the tested stack t5_24" in section["message"] and "torch 2.15.0+cu132" in section["message"]
+    section = stacks_mod.tested_stack(dict(hf, torch="2.13.0+cpu"))
+    assert section["status"] == "untested" and section["stacks"] == ["t5_24"]
+    assert "torch 2.13.0+cpu here, 2.15.0 tested" in section["message"]
     section = stacks_mod.tested_stack(dict(datafiles.pinned_versions(datafiles.default_stack()), torch="2.15.0"))
     assert section["status"] == "untested" and "torch 2.15.0 here, 2.13.0 tested" in section["message"]
 

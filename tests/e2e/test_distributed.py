@@ -6,7 +6,7 @@ torchrun ranks that train with DDP, then with FSDP2 (``fully_shard``: DTensor pa
 ``Trainer`` step, and two ranks started by ``accelerate launch`` with an FSDP config. ftshims comes
 only from the start-up hook (``FTSHIMS_AUTO=1``): the script never calls ``apply()``. The three
 launches start together: the module takes 56 s on the default stack (2 cores, load 4; 45 s of CPU), 107 s
-at load 10, and 118 s on t5_24_torch215 at load 10.
+at load 10, and 118 s on the torch 2.15 stack (t5_24) at load 10.
 """
 
 from __future__ import annotations
