@@ -105,6 +105,9 @@ PARAMS = ("attention_mask", "past_key_values", "use_cache")
 SPEC = ShimSpec(
     id="fa2_right_padding_in_training",
     since="0.2.0",
+    unpinned="Qwen2-VL (4.48-4.51) and Qwen2.5-VL (4.49-4.51) carry the check in Qwen2(_5)VLModel.forward, and no "
+    "stack pins 4.48-4.51; 4.52 moved it to the *TextModel classes, tested on t4_52; the check's code was read in the "
+    "4.48.0 and 4.51.3 wheels",
     title="Training forwards on right-padded batches raise the 'batched generation with padding_side=right' error "
     "under flash_attention_2",
     symptom="the first training step on a right-padded batch fails with `ValueError: You are attempting to perform "
