@@ -642,6 +642,10 @@ def sft_packing_gap(attn: str = "sdpa", strategy: Optional[str] = None, model=No
     config.update(logging_strategy="no", bf16=False, fp16=False)
     if strategy is not None:
         config["packing_strategy"] = strategy
+    if "loss_type" in fields:
+        # TRL 1.x's "chunked_nll" (the default of some releases) patches the model to return no logits; the
+        # same loss computed as "nll" keeps them, and attention (what this measures) is the same either way
+        config["loss_type"] = "nll"
     with tiny.quiet(), quiet_datasets(), tempfile.TemporaryDirectory() as out:
         warnings.filterwarnings("always", message="ftshims:")  # ours stay audible inside quiet()
         args = SFTConfig(output_dir=out, **{k: v for k, v in config.items() if k in fields})
