@@ -18,8 +18,9 @@ kernels when the *caller* hands them over: ``cu_seq_lens_q`` becomes the
 return_seq_idx=True)`` produces both). The PyTorch fallbacks cannot use them:
 5.24 raises ``ValueError`` ("can't keep packed sequences apart without
 flash-linear-attention", ``integrations/hub_kernels.py``) when they are given,
-and with position ids alone (TRL's ``bfd``/padding-free, DataCollatorWithFlattening's
-default) every path leaks silently.
+and with position ids alone (TRL's ``bfd``/padding-free up to 1.9, DataCollatorWithFlattening's
+default) every path leaks silently. (TRL 1.16's padding-free collator adds ``cu_seq_lens_q/k`` and ``seq_idx``:
+without the kernels' packages that call raises upstream's ValueError, which this shim leaves as it is.)
 
 The fix: wrap the hybrid's base model ``forward`` (``_packing.RECURRENT``). When its
 ``position_ids`` restart at 0 between real tokens (the same detection as
