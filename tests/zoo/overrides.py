@@ -29,7 +29,7 @@ CONFIG = {
     "dory": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     # the default config's layer count is per stack, and the constructor rewrites num_hidden_layers to the number of
     # cache slots (stacks x cycles) only when num_layers_per_stack is None: left None, it is derived from the tiny count
-    "hrm_text": {"num_layers_per_stack": None},
+    "hrm_text": {"num_layers_per_stack": None, "L_cycles": 1},  # and one low-level cycle per high-level one
     # the conformer audio encoder counts its layers in num_blocks and sizes its convolutions by their own keys
     "phi4_multimodal": {"audio_config": {"num_blocks": 2, "ext_pw_out_channel": 64,
                                          "depthwise_separable_out_channel": 64, "nemo_conv_channels": 32}},
@@ -76,9 +76,10 @@ CONFIG = {
 }
 
 # Emu3 and Chameleon map the VQ-GAN's codes to text-vocabulary ids through a vocabulary_map that checkpoints ship
-# (the default config has None, and the model cannot be built): the 64 codes of the shrunk codebook on ids
-# 160..223, the image placeholder on 240 (and Emu3's end-of-line token on 239)
-_VQ_IDS = {i: 160 + i for i in range(64)}
+# (the default config has None, and the model cannot be built): the 32 codes of the shrunk codebook on ids
+# 201..232, above the gate's text ids (16..200: chameleon's LM head gives image-code ids -inf, which as text
+# labels made the loss inf), the image placeholder on 240 (and Emu3's end-of-line token on 239)
+_VQ_IDS = {i: 201 + i for i in range(32)}
 CONFIG["emu3"] = {"image_token_id": 240, "vocabulary_map": {
     "<image>": 240, "<|extra_200|>": 239, **{f"<|visual token {i:06d}|>": v for i, v in _VQ_IDS.items()}}}
 CONFIG["chameleon"] = {"image_token_id": 240, "vocabulary_map": {

@@ -329,10 +329,11 @@ def shrink_dict(d: dict, ids: IdMap, path: str = "") -> dict:
     if isinstance(d.get("time_step_rank"), int) and d["time_step_rank"] > 8:
         d["time_step_rank"] = 8
     if isinstance(d.get("channel_multiplier"), list) and _int(d.get("base_channels")):
-        # VQ-GAN image tokenizers (emu3, chameleon, janus): the narrowest widths their GroupNorm(32) allows, one
-        # residual block per stage, a 64-code codebook
+        # VQ-GAN image tokenizers (emu3, chameleon, janus): the narrowest width their GroupNorm(32) allows at every
+        # stage, one residual block per stage, a 32-code codebook
         d["base_channels"] = min(d["base_channels"], 32)
-        for key, cap in (("num_res_blocks", 1), ("codebook_size", 64), ("num_embeddings", 64), ("latent_channels", 8),
+        d["channel_multiplier"] = [1] * len(d["channel_multiplier"])  # as many stages (the same downsampling)
+        for key, cap in (("num_res_blocks", 1), ("codebook_size", 32), ("num_embeddings", 32), ("latent_channels", 8),
                          ("embed_dim", 8), ("resolution", IMAGE_SIZE)):
             if _int(d.get(key)) and d[key] > cap:
                 d[key] = cap
