@@ -60,6 +60,11 @@ from . import _packing
 log = logging.getLogger("ftshims")
 _WARNED = set()
 
+# The first release that ships each family's recurrent layer (read in the wheels of every minor release 4.53-5.25);
+# the others are in 4.53.0 already. Outside it the target does not exist and is not checked (the drift canary).
+_ADDED = {"lfm2": "4.54.0", "qwen3_next": "4.57.0", "lfm2_moe": "5.0.0", "qwen3_5": "5.2.0", "qwen3_5_moe": "5.2.0",
+          "olmo_hybrid": "5.3.0", "nemotron_h": "5.3.0"}
+
 SPEC = ShimSpec(
     id="packing_recurrent_state",
     since="0.2.0",
@@ -77,7 +82,8 @@ SPEC = ShimSpec(
         "https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/models/qwen3_5/modeling_qwen3_5.py",
     ),
     targets=tuple(
-        Target(_packing.modeling_module(model_type), f"{layers[0]}.forward", params=("hidden_states",))
+        Target(_packing.modeling_module(model_type), f"{layers[0]}.forward", params=("hidden_states",),
+               when=f">={_ADDED.get(model_type, '4.53.0')}")
         for model_type, (base, layers) in _packing.RECURRENT.items()
     ),
     modules=("transformers",),

@@ -39,6 +39,18 @@ def _group(names) -> Dict[str, int]:
     return modules
 
 
+def _unused_by_design(model) -> set:
+    """Parameters no forward uses while an adapter is active: the ``original_module`` that PEFT's
+    ``ModulesToSaveWrapper`` keeps beside the trained copy (peft < 0.5 leaves it ``requires_grad=True``: on
+    peft 0.4.0 it would be reported beside the LoRA weights, although nothing is wrong with it)."""
+    unused = set()
+    for path, module in model.named_modules():
+        if type(module).__name__ == "ModulesToSaveWrapper" and hasattr(module, "original_module"):
+            prefix = f"{path}.original_module." if path else "original_module."
+            unused.update(prefix + name for name, _ in module.original_module.named_parameters())
+    return unused
+
+
 class NothingTrainable(Detector):
     codes = ("nothing_trainable",)
 
@@ -61,13 +73,16 @@ class TrainableWithoutGrad(Detector):
         self.steps = 0
         self.judged = False
         self.any_grad = False
+        self.unused = None  # names of parameters unused by design (PEFT's stand-by copies), found once
 
     def grads(self, mon) -> None:
         if self.judged:
             return
+        if self.unused is None:
+            self.unused = _unused_by_design(mon.model)
         missing = set()
         for name, p in mon.model.named_parameters():
-            if p.requires_grad:
+            if p.requires_grad and name not in self.unused:
                 if p.grad is None:
                     missing.add(name)
                 else:
