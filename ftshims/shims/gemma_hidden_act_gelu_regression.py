@@ -180,7 +180,8 @@ def mlp_gap(model, input_ids) -> float:
         raise ProbeUnsupported("the model has no GemmaMLP")
     try:
         with torch.no_grad():
-            model(input_ids=input_ids)
+            # the all-ones mask: PaliGemma before 4.45 reads attention_mask unconditionally in a text-only forward
+            model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
     finally:
         for handle in handles:
             handle.remove()

@@ -3,6 +3,7 @@ seedable sampler behind its SkipBatchSampler, so a mid-epoch resume replays the 
 skip, shard loaders and iterable datasets are untouched."""
 
 import os
+import pickle
 import tempfile
 
 import pytest
@@ -122,7 +123,11 @@ def test_trainer_resume_with_dispatch_batches(affected):
 
     with tempfile.TemporaryDirectory() as out:
         full = _train(out, [])[5:]
-        plain = _train(out, [], resume=os.path.join(out, "checkpoint-5"))
+        try:
+            plain = _train(out, [], resume=os.path.join(out, "checkpoint-5"))
+        except pickle.UnpicklingError as exc:  # no resume at all: nothing for the shim to fix or harm here
+            pytest.skip(f"transformers {installed_version('transformers')} cannot resume under torch >= 2.6 "
+                        f"(its rng-state torch.load meets weights_only=True): {str(exc).splitlines()[0]}")
         with ftshims.applied(only=[SHIM]):
             shimmed = _train(out, [], resume=os.path.join(out, "checkpoint-5"))
     assert shimmed == full

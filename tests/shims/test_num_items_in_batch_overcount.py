@@ -120,10 +120,10 @@ def _encoder_decoder_step(name, shims_on: bool):
     seen, losses = [], []
 
     def compute_loss(outputs, labels, num_items_in_batch=None):
-        seen.append(int(num_items_in_batch))
+        seen.append(None if num_items_in_batch is None else int(num_items_in_batch))
         logits = outputs.logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                                                 reduction="sum") / num_items_in_batch
+                                                 reduction="sum") / (num_items_in_batch or labels.numel())
         losses.append(float(loss))
         return loss
 
@@ -149,7 +149,8 @@ def test_encoder_decoder_count_is_every_label(name):
     """T5/BART with a compute_loss_func: num_items_in_batch is all 2 x 2 x 6 labels, with the shim as without it."""
     plain_seen, plain_losses = _encoder_decoder_step(name, shims_on=False)
     shim_seen, shim_losses = _encoder_decoder_step(name, shims_on=True)
-    assert plain_seen == [2 * ROWS * LABELS_PER_ROW] * 2, plain_seen  # upstream counts every decoder target
+    if plain_seen != [None] * 2:  # 4.46-4.52 hand no count to a model without loss kwargs (T5/BART there)
+        assert plain_seen == [2 * ROWS * LABELS_PER_ROW] * 2, plain_seen  # upstream counts every decoder target
     assert shim_seen == plain_seen, f"the shim changed an encoder-decoder's count: {shim_seen} vs {plain_seen}"
     assert shim_losses == plain_losses
 
@@ -164,7 +165,9 @@ def test_encoder_decoder_is_not_a_shifting_loss(name):
     except ImportError:
         pytest.skip("no transformers.loss (before 4.46)")
     model = _encoder_decoder(name)
-    assert LOSS_MAPPING.get(model.loss_type) is ForCausalLMLoss  # the trap: "ForConditionalGeneration"
+    if LOSS_MAPPING.get(getattr(model, "loss_type", None)) is not ForCausalLMLoss:
+        pytest.skip(f"no trap on this version: {type(model).__name__}.loss_type is {getattr(model, 'loss_type', None)!r}")
+    # the trap: "ForConditionalGeneration" maps to ForCausalLMLoss
     with tiny.quiet():
         trainer = _trainer(model)
     assert not probe_module.loss_shifts_labels(trainer)

@@ -83,7 +83,17 @@ def _family_attn(family):
     if not MASK_LAYER and family not in _packing.FAMILIES:
         pytest.skip(f"transformers {VERSION} builds no shared masks (masking_utils is 4.53+): the per-family route "
                     f"covers the {len(_packing.FAMILIES)} families of _packing.FAMILIES only")
-    return "eager" if family in EAGER_ONLY else "sdpa"
+    return "eager" if family in EAGER_ONLY or not _supports_sdpa(family) else "sdpa"
+
+
+def _supports_sdpa(family):
+    """Whether this release's model of ``family`` takes sdpa (phi3 before 4.44 does not: it raises)."""
+    import importlib
+
+    module_name = _packing.FAMILIES[family][0] if family in _packing.FAMILIES else _packing.modeling_module(family)
+    module = importlib.import_module(module_name)
+    bases = [obj for name, obj in vars(module).items() if name.endswith("PreTrainedModel") and isinstance(obj, type)]
+    return not bases or any(getattr(base, "_supports_sdpa", True) for base in bases)
 
 
 @below_437
