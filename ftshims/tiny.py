@@ -102,3 +102,49 @@ def word_tokenizer(words, **special_tokens):
     core = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", **special_tokens)
+
+
+def trainer_first_step(model, rows, batch_size: int, accumulation: int, **arguments):
+    """One optimizer step of a ``Trainer`` (learning rate 0, no clipping) on ``rows``: ``(the loss it logs, the
+    accumulated gradients concatenated, the trainer)``. The gradients are taken as they stand after the step's
+    last backward (the Trainer zeroes them after the optimizer step); ``arguments`` go to ``TrainingArguments``."""
+    import gc
+    import inspect
+    import sys
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    logged = {}
+
+    class Grab(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs and "loss" not in logged:
+                logged.update(logs)
+
+    accumulated = {}
+    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: accumulated.__setitem__(i, p.grad.clone()))
+               for i, p in enumerate(model.parameters()) if p.requires_grad]
+    params = inspect.signature(TrainingArguments.__init__).parameters
+    with tempfile.TemporaryDirectory() as out, quiet():
+        kwargs = dict(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
+                      learning_rate=0.0, max_steps=1, logging_steps=1, report_to=[], max_grad_norm=1e9, seed=0,
+                      save_strategy="no", disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0,
+                      **arguments)
+        if "use_cpu" in params:
+            kwargs["use_cpu"] = True
+        trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=rows, callbacks=[Grab()])
+        for quiet_callback in ("PrinterCallback", "ProgressCallback"):  # the logs printed on stdout
+            trainer.remove_callback(getattr(sys.modules["transformers.trainer_callback"], quiet_callback))
+        # Trainer.train ends with accelerate's free_memory(), a gc.collect() that takes ~1 s in a process holding
+        # torch and transformers; with the heap frozen it takes milliseconds (unfrozen right after).
+        gc.freeze()
+        try:
+            trainer.train()
+        finally:
+            gc.unfreeze()
+            for handle in handles:
+                handle.remove()
+    grads = torch.cat([accumulated[i].reshape(-1) for i in sorted(accumulated)])
+    return float(logged["loss"]), grads, trainer

@@ -33,3 +33,16 @@ def assert_bug_and_fix(shim_id, evidence, scenario: str, expect_bug: bool = True
     assert not outcome.with_shim.bug, f"bug still present with the shim: {outcome.with_shim.detail}"
     evidence.record(outcome, scenario, expect_bug=expect_bug)  # after the assertions; kept only if the test passes
     return outcome
+
+
+def applied_or_skip(shim_id: str, *also: str):
+    """``ftshims.applied(only=[shim_id, *also])``, entered; the test is skipped (and nothing stays applied) when
+    ``shim_id`` is not active on this stack. The caller exits the returned context."""
+    import ftshims
+
+    context = ftshims.applied(only=[shim_id, *also])
+    report = context.__enter__()
+    if not report[shim_id].active:
+        context.__exit__(None, None, None)
+        pytest.skip(f"{shim_id} not active on this stack: {report[shim_id].reason}")
+    return context

@@ -168,12 +168,7 @@ def install(patcher, options) -> None:
 
 def first_step(batch_size: int, accumulation: int, smoothing: float = 0.1):
     """The logged loss and the accumulated gradients of one Trainer step (learning rate 0) on a tiny Llama."""
-    import gc
-    import inspect
-    import tempfile
-
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from .. import tiny
 
@@ -184,36 +179,8 @@ def first_step(batch_size: int, accumulation: int, smoothing: float = 0.1):
     for _ in range(4):
         ids = torch.randint(5, 128, (8,), generator=generator).tolist()
         rows.append({"input_ids": ids, "labels": [-100] + ids[1:]})  # position 0 masked: every count agrees
-    logged = {}
-
-    class Grab(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs and "loss" not in logged:
-                logged.update(logs)
-
-    accumulated = {}
-    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: accumulated.__setitem__(i, p.grad.clone()))
-               for i, p in enumerate(model.parameters()) if p.requires_grad]
-    params = inspect.signature(TrainingArguments.__init__).parameters
-    with tempfile.TemporaryDirectory() as out, tiny.quiet():
-        kwargs = dict(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
-                      learning_rate=0.0, max_steps=1, logging_steps=1, report_to=[], max_grad_norm=1e9, seed=0,
-                      save_strategy="no", disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0,
-                      label_smoothing_factor=smoothing)
-        if "use_cpu" in params:
-            kwargs["use_cpu"] = True
-        trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=rows, callbacks=[Grab()])
-        for quiet_callback in ("PrinterCallback", "ProgressCallback"):  # the logs printed on stdout
-            trainer.remove_callback(getattr(sys.modules["transformers.trainer_callback"], quiet_callback))
-        gc.freeze()  # Trainer.train ends with a gc.collect() that costs ~1 s in a big process
-        try:
-            trainer.train()
-        finally:
-            gc.unfreeze()
-            for handle in handles:
-                handle.remove()
-    grads = torch.cat([accumulated[i].reshape(-1) for i in sorted(accumulated)])
-    return float(logged["loss"]), grads
+    loss, grads, _ = tiny.trainer_first_step(model, rows, batch_size, accumulation, label_smoothing_factor=smoothing)
+    return loss, grads
 
 
 def probe(smoothing: float = 0.1) -> Observation:

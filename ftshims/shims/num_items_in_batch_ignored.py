@@ -43,7 +43,6 @@ reached.
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import threading
@@ -303,50 +302,11 @@ def build(kind: str):
 
 def first_step(kind: str, batch_size: int, accumulation: int):
     """The loss the Trainer logs and the gradient norm after one optimizer step (learning rate 0)."""
-    import inspect
-    import tempfile
-
-    import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
     from .. import tiny
 
     model, rows = build(kind)
-    logged = {}
-
-    class Grab(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs and "loss" not in logged:
-                logged.update(logs)
-
-    # The accumulated gradient of each parameter, as it stands after the last backward of the step (the Trainer
-    # zeroes it after the optimizer step).
-    accumulated = {}
-    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: accumulated.__setitem__(i, p.grad.clone()))
-               for i, p in enumerate(model.parameters()) if p.requires_grad]
-
-    params = inspect.signature(TrainingArguments.__init__).parameters
-    with tempfile.TemporaryDirectory() as out, tiny.quiet():
-        kwargs = dict(output_dir=out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
-                      learning_rate=0.0, max_steps=1, logging_steps=1, report_to=[], max_grad_norm=1e9, seed=0,
-                      save_strategy="no", disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0)
-        if "use_cpu" in params:
-            kwargs["use_cpu"] = True
-        trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=rows,
-                          callbacks=[Grab()])
-        for quiet_callback in ("PrinterCallback", "ProgressCallback"):  # the logs printed on stdout
-            trainer.remove_callback(getattr(sys.modules["transformers.trainer_callback"], quiet_callback))
-        # Trainer.train ends with accelerate's free_memory(), a gc.collect() that takes ~1 s in a process holding
-        # torch and transformers; with the heap frozen it takes milliseconds (unfrozen right after).
-        gc.freeze()
-        try:
-            trainer.train()
-        finally:
-            gc.unfreeze()
-            for handle in handles:
-                handle.remove()
-    grads = torch.cat([accumulated[i].reshape(-1) for i in sorted(accumulated)])
-    return Step(float(logged["loss"]), grads, getattr(trainer, "model_accepts_loss_kwargs", False))
+    loss, grads, trainer = tiny.trainer_first_step(model, rows, batch_size, accumulation)
+    return Step(loss, grads, getattr(trainer, "model_accepts_loss_kwargs", False))
 
 
 def whole_batch(kind: str):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import sys
 import tempfile
 

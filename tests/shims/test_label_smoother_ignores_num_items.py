@@ -4,7 +4,7 @@ by num_items_in_batch, as 5.15.0 does (4.48.1-5.14 multiplied loss and gradients
 import tempfile
 
 import pytest
-from tests.shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix, applied_or_skip
 
 import ftshims
 from ftshims import registry, tiny
@@ -25,12 +25,7 @@ def test_without_label_smoothing_it_is_healthy_everywhere(evidence):
 
 
 def _applied(*ids):
-    context = ftshims.applied(only=list(ids))
-    report = context.__enter__()
-    if not report[SHIM].active:
-        context.__exit__(None, None, None)
-        pytest.skip(f"{SHIM} not active on this stack: {report[SHIM].reason}")
-    return context
+    return applied_or_skip(*ids)
 
 
 def _in_range():

@@ -4,7 +4,7 @@ the value the class's __init__ computes (transformers >=5.0 leave torch.empty_li
 import tempfile
 
 import pytest
-from tests.shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix, applied_or_skip
 
 import ftshims
 from ftshims import registry, tiny
@@ -31,12 +31,7 @@ def _reload(model, cls=None, *args, **kwargs):
 
 
 def _applied():
-    context = ftshims.applied(only=[SHIM])
-    report = context.__enter__()
-    if not report[SHIM].active:
-        context.__exit__(None, None, None)
-        pytest.skip(f"{SHIM} not active on this stack: {report[SHIM].reason}")
-    return context
+    return applied_or_skip(SHIM)
 
 
 def test_transformers_model_loads_bit_identical_without_a_second_instance(monkeypatch):

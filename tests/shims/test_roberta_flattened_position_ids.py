@@ -3,7 +3,7 @@ embeddings the model's own numbering gives (DataCollatorWithFlattening numbers f
 padding_idx + 1)."""
 
 import pytest
-from tests.shimcheck import assert_bug_and_fix
+from tests.shimcheck import assert_bug_and_fix, applied_or_skip
 
 import ftshims
 from ftshims import registry
@@ -20,12 +20,7 @@ def test_flattened_example_reads_the_models_own_positions(evidence, family):
 
 
 def _applied():
-    context = ftshims.applied(only=[SHIM])
-    report = context.__enter__()
-    if not report[SHIM].active:
-        context.__exit__(None, None, None)
-        pytest.skip(f"{SHIM} not active on this stack: {report[SHIM].reason}")
-    return context
+    return applied_or_skip(SHIM)
 
 
 def _skip_outside_the_range():
