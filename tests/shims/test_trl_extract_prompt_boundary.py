@@ -104,7 +104,8 @@ def test_dpo_trainer_rows_equal_the_explicit_prompt(affected):
     def rows(columns):
         with tempfile.TemporaryDirectory() as out, tiny.quiet(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            args = DPOConfig(output_dir=out, report_to=[], use_cpu=True, dataset_num_proc=None)
+            args = DPOConfig(output_dir=out, report_to=[], use_cpu=True, dataset_num_proc=None,
+                             bf16=False)  # TRL 1.x defaults to bf16, and accelerate keeps it for later Trainers
             trainer = DPOTrainer(model=tiny.tiny_llama(vocab_size=16), ref_model=tiny.tiny_llama(vocab_size=16),
                                  args=args, train_dataset=Dataset.from_dict(columns), processing_class=tok)
             row = trainer.train_dataset[0]
