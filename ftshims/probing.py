@@ -10,6 +10,8 @@ says it exists) and the doctor reports it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,6 +42,21 @@ def in_affected_range(shim_id: str):
     return reason is None, reason
 
 
+@contextlib.contextmanager
+def _accelerate_environment_kept():
+    """A probe that builds a Trainer leaves ``ACCELERATE_MIXED_PRECISION`` (and the other ``ACCELERATE_*``
+    settings TrainingArguments exports) in the environment, and the next Accelerator of the process reads them: a
+    TRL config's default bf16 put the probes run after it (the doctor runs them all in one process) under bf16
+    autocast. Each probe run gets the environment back as it found it."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith("ACCELERATE_") and k not in before]:
+            del os.environ[key]
+        os.environ.update(before)
+
+
 def compare(shim_id: str, options=None, **scenario) -> ProbeOutcome:
     """Run ``probe(**scenario)`` with the shim off, then on; restore its previous state after."""
     shim = registry.get(shim_id)
@@ -49,11 +66,13 @@ def compare(shim_id: str, options=None, **scenario) -> ProbeOutcome:
     if was_active:
         _manager.revert(only=[shim_id])
     try:
-        without = shim.probe(**scenario)
+        with _accelerate_environment_kept():
+            without = shim.probe(**scenario)
         report = _manager.apply(only=[shim_id], options={shim_id: options} if options else None)
         try:
             state = report[shim_id]
-            with_shim = shim.probe(**scenario)
+            with _accelerate_environment_kept():
+                with_shim = shim.probe(**scenario)
         finally:
             _manager.revert(only=[shim_id])
     finally:

@@ -164,6 +164,19 @@ def _no_shims_leak():
     ftshims.revert()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_settings():
+    """A Trainer leaves its settings behind for every Trainer built after it in the process: TrainingArguments
+    exports ``ACCELERATE_MIXED_PRECISION`` (bf16, TRL's configs' default), which the next Accelerator reads, so a
+    later fp32 test ran under bf16 autocast (a 3.7e-4 gap in a negative control, 0.2510 vs 0.2516 gradient
+    norms, only in the full suite). Each test gets the process's ``ACCELERATE_*`` environment back."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_") and k not in before]:
+        del os.environ[key]
+    os.environ.update(before)
+
+
 def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("FTSHIMS_EVIDENCE_OUT")
     if not out:

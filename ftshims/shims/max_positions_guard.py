@@ -31,7 +31,8 @@ treated as learned), else an ``nn.Embedding`` named ``wpe``, ``embed_positions``
 ``position_embeddings`` or ``position_embedding`` means learned positions
 (usable size = table rows minus the OPT/BART ``offset`` or the RoBERTa padding
 offset). So the vision tower of a CLIP or a LLaVA, or Whisper's audio
-encoder, never bounds a text input. A model whose input embedding is unknown
+encoder, never bounds a text input; nor does the walk leave a sub-model
+(a ``PreTrainedModel`` inside the model: Kosmos-2's text model, whose positions are sinusoidal). A model whose input embedding is unknown
 (``get_input_embeddings()`` not implemented, e.g. ``CLIPModel``) or whose tower
 has no position source (ALiBi, relative positions, T5, ...) is left alone,
 and the reason is in the shim's notes (``ftshims.status()``), once per class.
@@ -185,15 +186,20 @@ def _tower(model, path: str, all_modules):
     """The smallest module above the input embedding at ``path`` that holds a position source: the
     tower ``input_ids`` run through (the language model of a LLaVA, the text model of a CLIP text
     encoder, the decoder of OPT). Returns ``(prefix, learned tables, rope, config)``."""
+    from transformers import PreTrainedModel
+
     parts = path.split(".")[:-1]
+    by_path = dict(all_modules)
     while True:
         prefix = ".".join(parts)
         inside = [(n, m) for n, m in all_modules if not prefix or n == prefix or n.startswith(prefix + ".")]
         learned, rope = _position_sources(inside)
-        if learned or rope or not parts:
-            owner = dict(all_modules).get(prefix, model) if prefix else model
-            config = getattr(owner, "config", None)
-            return prefix, learned, rope, config
+        owner = by_path.get(prefix, model) if prefix else model
+        if learned or rope or not parts or isinstance(owner, PreTrainedModel):
+            # A sub-model (a PreTrainedModel: Kosmos-2's text model) is the text tower whole: when it has no
+            # position table of its own (sinusoidal, relative), a sibling tower's table (the vision model's 17
+            # patch positions) does not bound its input.
+            return prefix, learned, rope, getattr(owner, "config", None)
         parts.pop()
 
 

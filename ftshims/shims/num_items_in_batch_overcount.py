@@ -47,6 +47,14 @@ losses of the same era (Moonshine, Florence2 ... fixed in 5.13/5.15) are not
 this shim's: their count stays upstream's. Later releases change only how the
 count is divided for tensor/context/sequence parallelism (5.24:
 ``/ (tp * cp * sp)``), which the wrapped original keeps doing as installed.
+
+Beyond upstream: only a model whose ``forward`` computes its loss with
+``self.loss_function`` is counted over ``labels[..., 1:]``. The decoders of
+encoder-decoder families (BartForCausalLM, Pegasus, Marian, mBART, Blenderbot,
+PLBart, MVP, BigBird-Pegasus) and CpmAnt are ``*ForCausalLM`` by name but score
+every label (the zoo gate's Trainer step: 184 labels scored, 183 counted); they
+keep the installed count. Models that shift by hand without ``loss_function``
+(Mamba 4.57) keep it too: the shim cannot tell what they score, so it stays out.
 """
 
 from __future__ import annotations
@@ -100,9 +108,24 @@ def loss_shifts_labels(trainer) -> bool:
         if not (isinstance(loss_type, str) and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss):
             return False
         # Encoder-decoders map to ForCausalLMLoss by name ("ForConditionalGeneration") but score every label (#46903).
-        return not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return False
+        return loss_goes_through_loss_function(type(model))
     except Exception:  # noqa: BLE001 - a model whose loss_type property raises: no decision, no change
         return False
+
+
+def loss_goes_through_loss_function(cls) -> bool:
+    """Whether ``cls.forward`` computes its loss with ``self.loss_function`` (the shifted ForCausalLMLoss). The
+    decoders of encoder-decoder families (BartForCausalLM, Pegasus, Marian, mBART, Blenderbot, PLBart, MVP,
+    BigBird-Pegasus, CpmAnt ...) are named ``*ForCausalLM`` but score every label with a plain cross-entropy (their
+    callers shift); counting ``labels[..., 1:]`` for them dropped one target per row (zoo gate, 4.57.6: 184 -> 183).
+    Upstream's test (#46204, 5.10.1+) goes by the name alone and has the same undercount for them."""
+    import inspect
+
+    forward = inspect.unwrap(getattr(cls, "forward", None))
+    code = getattr(forward, "__code__", None)
+    return code is not None and "loss_function" in code.co_names
 
 
 # peft types whose PeftModelForCausalLM.forward prepends num_virtual_tokens labels of -100 to the batch's labels

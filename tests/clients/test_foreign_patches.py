@@ -1,8 +1,9 @@
 """Fake foreign patchers on ftshims' own targets, before and after ``ftshims.apply()`` (transformers 4.57.6).
 
-* ``fake_unsloth`` replaces ``LlamaModel.forward`` (the target of ``packing_block_mask``,
-  ``custom_4d_mask_format``, ``flash_attn_packing``) by a re-implementation that never calls what it
-  replaced, the way unsloth's ``LlamaModel_fast_forward`` does;
+* ``fake_unsloth`` replaces ``LlamaModel.forward`` (the target of ``custom_4d_mask_format`` and
+  ``flash_attn_packing``; ``packing_block_mask`` acts in ``masking_utils`` on 4.53+) by a re-implementation
+  that never calls what it replaced, the way unsloth's ``LlamaModel_fast_forward`` does (it still builds its
+  masks through ``masking_utils``, as transformers' forward does);
 * ``fake_axolotl`` re-registers ``masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]`` (the item
   ``expand_mask_clamp`` wraps) with a wrapper of whatever was there, the way axolotl 0.19's
   ``sdpa_varlen`` mask patch does (``axolotl/monkeypatch/attention/sdpa_varlen.py``, on CUDA fp16/bf16
@@ -24,7 +25,7 @@ clientlib.require("transformers", "transformers")
 
 pytestmark = pytest.mark.slow
 
-FTSHIMS_ON = "ftshims:flash_attn_packing(ftshims:custom_4d_mask_format(ftshims:packing_block_mask({})))"
+FTSHIMS_ON = "ftshims:flash_attn_packing(ftshims:custom_4d_mask_format({}))"
 
 SPECS = {
     "ftshims": {"steps": "ftshims", "forward": True},
@@ -63,20 +64,23 @@ def test_model_forward_patched_before_ftshims_composes(scenarios):
 
 
 def test_model_forward_replaced_after_ftshims_is_left_alone(scenarios):
-    """Foreign replacement second: it takes the slot, ftshims' wrapper is off the call path (its packing
-    fix no longer runs: the numbers are the contaminated ones), and ``revert()`` does not undo the
-    foreign patch (it warns instead)."""
+    """Foreign replacement second: it takes the slot, ftshims' wrappers on it are off the call path, and
+    ``revert()`` does not undo the foreign patch (it warns instead). The packed examples stay isolated all the
+    same: packing_block_mask acts where the masks are built (masking_utils), which the foreign forward calls."""
     run = scenarios["ftshims_then_unsloth"]
     contaminated = scenarios["unsloth_then_ftshims"].tensors["reverted"]["packed"]  # fake_unsloth alone
+    isolated = scenarios["ftshims"].tensors["applied"]["packed"]
     assert run.objects()["LlamaModel.forward"] == "fake_unsloth"
-    assert clientlib.same_numbers(run.tensors["applied"]["packed"], contaminated)
+    assert run.facts["calls"]["fake_unsloth"] == 2
+    assert clientlib.same_numbers(run.tensors["applied"]["packed"], isolated)
+    assert clientlib.gap(contaminated, isolated) > 1e-3
     assert run.objects(after_revert=True)["LlamaModel.forward"] == "fake_unsloth"
     assert "LlamaModel.forward was replaced by other code after ftshims patched it" in run.log
 
 
 def test_status_reports_model_forward_taken_over(scenarios):
     """Foreign replacement after ftshims: status() no longer lists the slot as patched and says who took it."""
-    for shim in ("packing_block_mask", "custom_4d_mask_format", "flash_attn_packing"):
+    for shim in ("custom_4d_mask_format", "flash_attn_packing"):
         status = scenarios["ftshims_then_unsloth"].status(shim)
         assert "LlamaModel.forward" not in status["patched"], (shim, status)
         notes = [n for n in status["notes"] if n.startswith("LlamaModel.forward was replaced by foreign code")]
@@ -85,7 +89,7 @@ def test_status_reports_model_forward_taken_over(scenarios):
 
 def test_status_reports_foreign_code_it_composes_with(scenarios):
     """Foreign patch before ftshims: the wrapper composes (numbers above) and status() says so."""
-    for shim in ("packing_block_mask", "custom_4d_mask_format", "flash_attn_packing"):
+    for shim in ("custom_4d_mask_format", "flash_attn_packing"):
         status = scenarios["unsloth_then_ftshims"].status(shim)
         assert "LlamaModel.forward" in status["patched"], (shim, status)
         assert any("LlamaModel.forward already held foreign code" in n and "fast_forward" in n and "composes" in n

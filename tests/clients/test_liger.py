@@ -33,7 +33,7 @@ LIGER = {
     "modeling_llama.LlamaMLP": "liger",
     "LlamaForCausalLM.forward": "liger",
 }
-FTSHIMS_ON_MODEL = "ftshims:flash_attn_packing(ftshims:custom_4d_mask_format(ftshims:packing_block_mask(transformers)))"
+FTSHIMS_ON_MODEL = "ftshims:flash_attn_packing(ftshims:custom_4d_mask_format(transformers))"
 
 # Six processes (each pays ~14 s of CPU for importing transformers + liger); the two orders are run
 # with ``include=["rope_fused_kernel"]``, which applies every default shim as well.
