@@ -217,7 +217,9 @@ def mutation_check(session: nox.Session, stack: str) -> None:
 # newest release, each with a coverage floor (fractions of the causal-LM mapping / of all listed
 # mappings): the goal (90% / 75%) on 4.57.6; on 5.24.0 the coverage reached so far (83.7% / 65.8%),
 # below the goal, kept from going down.
-ZOO_STACKS = {"t4_37": (0.0, 0.0), "t4_57": (0.90, 0.75), "t5_24": (0.80, 0.62)}
+# Coverage floors (causal LM, overall, image-text-to-text) under the last measured figures: t4_57 95.0% / 80.5% /
+# 79.2%, t5_24 96.9% / 77.9% / 85.0% (issue 25's goals on t5_24: >= 95% causal, >= 80% image-text).
+ZOO_STACKS = {"t4_37": (0.0, 0.0, 0.0), "t4_57": (0.93, 0.78, 0.75), "t5_24": (0.95, 0.75, 0.80)}
 
 
 @nox.session(python="3.11")
@@ -231,10 +233,11 @@ def zoo(session: nox.Session, stack: str) -> None:
     session.install(*_torch_source(), _torch(stack), *STACKS[stack]["pins"], *TEST_DEPS)
     out = RESULTS / "zoo"
     out.mkdir(parents=True, exist_ok=True)
-    min_causal, min_overall = ZOO_STACKS[stack]
+    min_causal, min_overall, min_image_text = ZOO_STACKS[stack]
     session.run(
         "python", "tests/zoo/gate.py", "--stack", stack, "--json", str(out / f"{stack}.json"),
         "--skips", str(out / f"{stack}-skips.txt"), "--min-causal", str(min_causal), "--min-overall", str(min_overall),
+        "--min-image-text", str(min_image_text),
         *session.posargs, env=_test_env(FTSHIMS_STACK=stack),
     )
 

@@ -1232,6 +1232,8 @@ def main(argv=None):
     ap.add_argument("--control", action="store_true", help="do not apply shims in the second phase (checks the gate itself)")
     ap.add_argument("--min-causal", type=float, default=0.0, help="fail when causal-LM coverage is below this fraction")
     ap.add_argument("--min-overall", type=float, default=0.0, help="fail when overall coverage is below this fraction")
+    ap.add_argument("--min-image-text", type=float, default=0.0,
+                    help="fail when image-text-to-text coverage is below this fraction")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -1393,10 +1395,13 @@ def report(args, results, crashed, wall, tmp):
     cov_causal = coverage.get("causal_lm", {"run": 0, "total": 0})
     frac_causal = cov_causal["run"] / cov_causal["total"] if cov_causal["total"] else 1.0
     frac_all = n_run / n_total if n_total else 1.0
-    coverage_fail = frac_causal < args.min_causal or frac_all < args.min_overall
+    cov_itt = coverage.get("image_text_to_text", {"run": 0, "total": 0})
+    frac_itt = cov_itt["run"] / cov_itt["total"] if cov_itt["total"] else 1.0
+    coverage_fail = frac_causal < args.min_causal or frac_all < args.min_overall or frac_itt < args.min_image_text
     print(f"\nwall time {wall:.1f}s; worker logs in {tmp}")
     if coverage_fail:
         print(f"COVERAGE BELOW GOAL: causal-LM {100 * frac_causal:.1f}% (min {100 * args.min_causal:.0f}%), "
+              f"image-text-to-text {100 * frac_itt:.1f}% (min {100 * args.min_image_text:.0f}%), "
               f"overall {100 * frac_all:.1f}% (min {100 * args.min_overall:.0f}%)")
     summary = {
         "stack": args.stack, "versions": vers, "active_shims": active, "control": args.control,
