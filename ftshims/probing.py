@@ -43,7 +43,7 @@ def in_affected_range(shim_id: str):
 
 
 @contextlib.contextmanager
-def _accelerate_environment_kept():
+def accelerate_environment_kept():
     """A probe that builds a Trainer leaves ``ACCELERATE_MIXED_PRECISION`` (and the other ``ACCELERATE_*``
     settings TrainingArguments exports) in the environment, and the next Accelerator of the process reads them: a
     TRL config's default bf16 put the probes run after it (the doctor runs them all in one process) under bf16
@@ -66,12 +66,12 @@ def compare(shim_id: str, options=None, **scenario) -> ProbeOutcome:
     if was_active:
         _manager.revert(only=[shim_id])
     try:
-        with _accelerate_environment_kept():
+        with accelerate_environment_kept():
             without = shim.probe(**scenario)
         report = _manager.apply(only=[shim_id], options={shim_id: options} if options else None)
         try:
             state = report[shim_id]
-            with _accelerate_environment_kept():
+            with accelerate_environment_kept():
                 with_shim = shim.probe(**scenario)
         finally:
             _manager.revert(only=[shim_id])

@@ -170,11 +170,10 @@ def _fresh_accelerate_settings():
     exports ``ACCELERATE_MIXED_PRECISION`` (bf16, TRL's configs' default), which the next Accelerator reads, so a
     later fp32 test ran under bf16 autocast (a 3.7e-4 gap in a negative control, 0.2510 vs 0.2516 gradient
     norms, only in the full suite). Each test gets the process's ``ACCELERATE_*`` environment back."""
-    before = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
-    yield
-    for key in [k for k in os.environ if k.startswith("ACCELERATE_") and k not in before]:
-        del os.environ[key]
-    os.environ.update(before)
+    from ftshims.probing import accelerate_environment_kept
+
+    with accelerate_environment_kept():
+        yield
 
 
 def pytest_sessionfinish(session, exitstatus):
