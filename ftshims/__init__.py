@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-__version__ = "0.2.0"  # ftshims/releases.py lists every release; pyproject.toml says the same
+__version__ = "0.3.0"  # ftshims/releases.py lists every release; pyproject.toml says the same
 
 __all__ = ["apply", "revert", "applied", "status", "summary", "fingerprint", "ShimError", "__version__"]
 
@@ -43,7 +43,7 @@ def apply(only=None, exclude=None, strict=False, include=None, options=None, pro
 
     Idempotent and thread-safe: shims already applied are left as they are.
     Shims on modules that are not imported yet are installed by a post-import
-    hook when they are. Apart from ``strict=True`` and those ``ValueError``\ s,
+    hook when they are. Apart from ``strict=True`` and those ``ValueError`` exceptions,
     no exception escapes.
     """
     from . import _manager

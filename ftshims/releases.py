@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Tuple
 
 # Oldest first. The last one is the version of this package (pyproject.toml, ftshims.__version__).
-RELEASES: Tuple[str, ...] = ("0.1.0", "0.2.0")
+RELEASES: Tuple[str, ...] = ("0.1.0", "0.2.0", "0.3.0")
 CURRENT = RELEASES[-1]
 
 
