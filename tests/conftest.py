@@ -88,7 +88,7 @@ TORCH_DEPENDENT = ("tests/kernels/", "tests/lifecycle/test_compile.py", "tests/e
 # (the _expand_mask era, 4.37's converter, 4.38's _update_causal_mask, 4.46, masking_utils, v5 before and at the
 # newest). They are half of a matrix stack's time.
 COMPILE_TESTS = "tests/lifecycle/test_compile.py"
-COMPILE_STACKS = ("t4_34", "t4_37", "t4_38", "t4_46", "t4_53", "t5_9", "t5_24")
+COMPILE_STACKS = ("t4_34", "t4_37", "t4_38", "t4_46", "t4_53", "t5_5", "t5_25")
 
 
 def pytest_addoption(parser):

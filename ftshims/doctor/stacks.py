@@ -2,7 +2,7 @@
 
 ``ftshims/data/stacks.toml`` pins every tested stack. The installed versions are compared with each
 stack's pins of :data:`COMPARED`, torch included: a stack runs on torch 2.13.0 unless it names its own
-(``datafiles.torch_version``: ``t5_24`` runs torch 2.15.0, the other stacks 2.13.0), and torch's local
+(``datafiles.torch_version``: ``t5_25`` runs torch 2.15.0, the other stacks 2.13.0), and torch's local
 label (``+cpu``, ``+cu132``) is not part of the comparison. When none matches exactly, the nearest
 stacks are named: smallest transformers distance first, then peft, trl, accelerate, datasets, torch.
 The shims' ranges are evaluated on the installed versions either way; an untested combination only

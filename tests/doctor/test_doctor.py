@@ -726,16 +726,16 @@ def test_tested_stack_on_the_real_stacks_file():
 
 
 def test_tested_stack_compares_torch_too():
-    """t5_24 runs torch 2.15.0, every other stack 2.13.0: the same Hugging Face stack on another torch is untested."""
+    """t5_25 runs torch 2.15.0, every other stack 2.13.0: the same Hugging Face stack on another torch is untested."""
     from ftshims import datafiles
 
-    assert datafiles.torch_version("t5_24") == "2.15.0"
-    hf = datafiles.pinned_versions("t5_24")
+    assert datafiles.torch_version("t5_25") == "2.15.0"
+    hf = datafiles.pinned_versions("t5_25")
     section = stacks_mod.tested_stack(dict(hf, torch="2.15.0+cu132"))
-    assert section["status"] == "exact" and section["stacks"] == ["t5_24"]
-    assert "exactly the tested stack t5_24" in section["message"] and "torch 2.15.0+cu132" in section["message"]
+    assert section["status"] == "exact" and section["stacks"] == ["t5_25"]
+    assert "exactly the tested stack t5_25" in section["message"] and "torch 2.15.0+cu132" in section["message"]
     section = stacks_mod.tested_stack(dict(hf, torch="2.13.0+cpu"))
-    assert section["status"] == "untested" and section["stacks"] == ["t5_24"]
+    assert section["status"] == "untested" and section["stacks"] == ["t5_25"]
     assert "torch 2.13.0+cpu here, 2.15.0 tested" in section["message"]
     section = stacks_mod.tested_stack(dict(datafiles.pinned_versions(datafiles.default_stack()), torch="2.15.0"))
     assert section["status"] == "untested" and "torch 2.15.0 here, 2.13.0 tested" in section["message"]

@@ -157,7 +157,7 @@ def test_load_builds_what_the_plan_says_and_reports_it(cuda_torch, monkeypatch):
 
 def test_cuda_torch_without_a_device_builds_and_loads_the_cpu_kernels(tmp_path):
     """The real build, in a fresh process, on this torch: on a CUDA build of torch with no visible device
-    (the t5_24 stack here: torch 2.15.0) the CPU kernels build and run, and status() says so."""
+    (the t5_25 stack here: torch 2.15.0) the CPU kernels build and run, and status() says so."""
     import torch
 
     if torch.version.cuda is None or _build.cuda_toolkit() is None or torch.cuda.device_count() > 0:

@@ -24,7 +24,7 @@ the plain run's syncs, apart from its documented host-side token check (on CPU t
 the collated batch, and here the forward's ids, which live on the CPU in this run); at a
 logging step its read is allowed, and counted.
 
-Run as a script (``ST_PY=1 st t5_24 tests/lifecycle/test_no_host_sync.py``) it prints the
+Run as a script (``ST_PY=1 st t5_25 tests/lifecycle/test_no_host_sync.py``) it prints the
 sync counts of every scenario, each way.
 """
 
