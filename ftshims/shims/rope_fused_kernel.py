@@ -29,8 +29,12 @@ Under ``torch.compile`` the original function is what gets traced: inductor
 fuses it into the graph itself, and the kernel's loading and argument checks
 are Python-side work that a trace cannot hold. The shim speeds up eager runs.
 
-Applies to transformers >= 4.30; kind "speed": only with
-``ftshims.apply(include=["rope_fused_kernel"])``.
+Applies to transformers >= 4.30, < 5.25; kind "speed": only with
+``ftshims.apply(include=["rope_fused_kernel"])``. From 5.25.0 ``apply_rotary_pos_emb``
+is no longer a function but a ``kernels`` hub-function module (``use_kernel_func_from_hub``:
+an ``nn.Module`` whose ``forward(q, k, cos, sin, unsqueeze_dim=1)`` is the eager code, and which
+``kernelize`` swaps for a hub kernel on accelerators): transformers then has a fused-RoPE path of its own,
+and replacing the module would take it away. The shim stays out there ("outside its range").
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ SPEC = ShimSpec(
     title="Fused q+k rotary kernel for transformers' apply_rotary_pos_emb",
     symptom="HF eager RoPE is memory-bound on six temporaries per call",
     why="Speed opt-in: HF's eager RoPE materialises about six full-size temporaries per call; the fused kernel rotates q and k in one pass with fp32 arithmetic.",
-    requires={"transformers": ">=4.30"},
+    requires={"transformers": ">=4.30,<5.25"},
     fixed_in={},
     refs=(
         "https://github.com/huggingface/transformers/issues/25681",

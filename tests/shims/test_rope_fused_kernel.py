@@ -10,6 +10,34 @@ from ftshims.shims import rope_fused_kernel as shim  # noqa: E402
 
 SHIM = "rope_fused_kernel"
 
+from ftshims.versions import explain_mismatch, installed_versions  # noqa: E402
+
+# transformers 5.25 turned apply_rotary_pos_emb into a kernels hub-function module: the shim stays out there.
+OUT_OF_RANGE = explain_mismatch(shim.SPEC.requires, installed_versions(tuple(shim.SPEC.requires)))
+
+
+@pytest.fixture(autouse=True)
+def _in_range(request):
+    if OUT_OF_RANGE and request.node.name != "test_stays_out_where_apply_rotary_pos_emb_is_a_hub_module":
+        pytest.skip(f"rope_fused_kernel outside its range here: {OUT_OF_RANGE}")
+
+
+def test_stays_out_where_apply_rotary_pos_emb_is_a_hub_module():
+    """On transformers 5.25+ the opt-in is skipped with its reason, and the module-level function is untouched."""
+    if not OUT_OF_RANGE:
+        pytest.skip("inside the shim's range: the tests below cover it")
+    import transformers.models.llama.modeling_llama as llama
+
+    before = llama.apply_rotary_pos_emb
+    ftshims.apply(include=[SHIM])
+    try:
+        status = ftshims.status()[SHIM]
+        assert status.status == "not needed" and status.patched == [], status
+        assert "is outside >=4.30,<5.25" in status.reason
+        assert llama.apply_rotary_pos_emb is before
+    finally:
+        ftshims.revert()
+
 
 @pytest.fixture(scope="module")
 def compiled():
