@@ -74,3 +74,12 @@ def verified() -> dict:
 
 def claims() -> List[dict]:
     return load_toml(CLAIMS_FILE)["claims"]
+
+
+LEADS_FILE = DATA / "leads.toml"
+LEAD_OUTCOMES = ("entry", "refuted", "out_of_reach")
+
+
+def leads() -> List[dict]:
+    """The ledger of research leads (``data/leads.toml``): one row per dossier lead with its outcome."""
+    return load_toml(LEADS_FILE)["leads"]

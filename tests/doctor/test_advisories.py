@@ -305,6 +305,163 @@ CASES = {
         ({"transformers": "5.15.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <5.15.0
         ({"transformers": N}, None, False),
     ],
+    # wave-3 leads (ftshims/data/leads.toml), ranges read in the released wheels
+    "trl_vllm_peft_merge_unmerge_drift": [
+        ({"trl": "0.15.0", "peft": "0.14.0"}, None, True),  # GRPOTrainer._move_model_to_vllm merges in place
+        ({"trl": "1.16.0", "peft": "0.21.2"}, None, True),  # unfixed (trl#6688 open)
+        ({"trl": "0.14.0", "peft": "0.14.0"}, None, False),  # no PEFT merge on the vLLM path yet
+        ({"trl": "0.15.0.dev0", "peft": "0.14.0"}, None, False),  # PEP 440: below 0.15.0
+        ({"trl": "1.16.0", "peft": N}, None, False),  # no PEFT model without peft
+        ({"trl": N, "peft": "0.21.2"}, None, False),
+    ],
+    "trl_qlora_dora_magnitude_frozen_bf16": [
+        ({"trl": "0.26.0"}, None, True),  # the QLoRA bf16 cast appears (#4577)
+        ({"trl": "1.14.2"}, None, True),
+        ({"trl": "0.25.1"}, None, False),
+        ({"trl": "1.15.0"}, None, False),  # lora_magnitude_vector excluded
+        ({"trl": "1.15.0.dev0"}, None, False),
+        ({"trl": N}, None, False),
+    ],
+    "trl_grpo_dapo_normalizer_generation_window": [
+        ({"trl": "0.22.0"}, None, True),  # dapo loss type added
+        ({"trl": "1.9.0"}, None, True),
+        ({"trl": "0.21.0"}, None, False),
+        ({"trl": "1.9.1"}, None, False),  # normaliser rescaled to the accumulation window
+        ({"trl": "1.16.0"}, None, False),
+        ({"trl": N}, None, False),
+    ],
+    "trl_grpo_dapo_num_items_counts_masked_tokens": [
+        ({"trl": "0.22.0"}, None, True),
+        ({"trl": "1.8.0"}, None, True),
+        ({"trl": "0.21.0"}, None, False),
+        ({"trl": "1.9.0"}, None, False),  # PR #6439
+        ({"trl": "1.9.0.dev0"}, None, False),
+        ({"trl": N}, None, False),
+    ],
+    "trl_gkd_eos_masked_when_pad_is_eos": [
+        ({"trl": "0.11.0"}, None, True),  # first GKDTrainer
+        ({"trl": "1.8.0"}, None, True),  # trl.experimental.gkd
+        ({"trl": "0.10.1"}, None, False),  # no GKD
+        ({"trl": "1.9.0"}, None, False),  # masks after the first EOS (PR #6357)
+        ({"trl": N}, None, False),
+    ],
+    "trl_grpo_none_reward_in_baseline": [
+        ({"trl": "0.16.0"}, None, True),  # nansum turns all-None rows into 0
+        ({"trl": "1.5.1"}, None, True),
+        ({"trl": "0.15.2"}, None, False),  # no None rewards (plain sum)
+        ({"trl": "1.6.0"}, None, False),  # PR #5902
+        ({"trl": "1.6.0.dev0"}, None, False),
+        ({"trl": N}, None, False),
+    ],
+    "peft_ensure_weight_tying_ties_untied_model": [
+        ({"peft": "0.19.0"}, None, True),
+        ({"peft": "0.19.1"}, None, True),
+        ({"peft": "0.18.1"}, None, False),  # the same config raises AttributeError there (loud)
+        ({"peft": "0.20.0"}, None, False),  # PR #3171
+        ({"peft": "0.20.0.dev0"}, None, False),
+        ({"peft": N}, None, False),
+    ],
+    "peft_dora_unmerge_fan_in_fan_out": [
+        ({"peft": "0.11.0"}, None, True),  # merge transposes, unmerge does not
+        ({"peft": "0.20.0"}, None, True),
+        ({"peft": "0.10.0"}, None, False),  # neither transposes (symmetric)
+        ({"peft": "0.21.0"}, None, False),  # PR #3532
+        ({"peft": "0.21.2"}, None, False),
+        ({"peft": N}, None, False),
+    ],
+    "peft_dora_multi_adapter_merge_mismatch": [
+        ({"peft": "0.12.0"}, None, True),
+        ({"peft": "0.20.0"}, None, True),
+        ({"peft": "0.11.1"}, None, False),  # not run there (ParameterDict magnitude)
+        ({"peft": "0.21.0"}, None, False),  # PR #3609
+        ({"peft": "0.21.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <0.21.0
+        ({"peft": N}, None, False),
+    ],
+    "peft_loraplus_embedding_lr_ignored": [
+        ({"peft": "0.13.0"}, None, True),
+        ({"peft": "0.20.0"}, None, True),
+        ({"peft": "0.12.0"}, None, False),  # no peft.optimizers
+        ({"peft": "0.21.0"}, None, False),  # PR #3503
+        ({"peft": N}, None, False),
+    ],
+    "trl_dpo_conversational_extra_eos": [
+        ({"trl": "0.12.0"}, None, True),
+        ({"trl": "0.27.1"}, None, True),
+        ({"trl": "0.11.0"}, None, False),  # no chat-template path in DPO
+        ({"trl": "0.27.2"}, None, False),  # PR #4908 backport
+        ({"trl": "0.28.0"}, None, False),
+        ({"trl": N}, None, False),
+    ],
+    "trl_prompt_not_prefix_completion_shift": [
+        ({"trl": "0.18.2"}, None, True),  # SFT prompt-completion mask from len(prompt_ids)
+        ({"trl": "1.14.1"}, None, True),
+        ({"trl": "0.17.0"}, None, False),
+        ({"trl": "1.14.2"}, None, False),  # common_prefix_length
+        ({"trl": "1.14.2.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <1.14.2
+        ({"trl": N}, None, False),
+    ],
+    "moonshine_florence2_double_shifted_labels": [
+        ({"transformers": "4.48.0"}, None, True),  # Moonshine's first release
+        ({"transformers": "4.57.6"}, None, True),
+        ({"transformers": "5.12.1"}, None, True),
+        ({"transformers": "4.47.1"}, None, False),
+        ({"transformers": "5.13.0"}, None, False),  # PRs #46784, #46898
+        ({"transformers": N}, None, False),
+    ],
+    "git_cohere_asr_ppformulanet_double_shifted_labels": [
+        ({"transformers": "4.50.0"}, None, True),  # GIT switches to self.loss_function
+        ({"transformers": "5.14.1"}, None, True),
+        ({"transformers": "4.49.0"}, None, False),  # GIT still CrossEntropyLoss
+        ({"transformers": "5.15.0"}, None, False),  # PR #47395 / #46903
+        ({"transformers": "5.15.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <5.15.0
+        ({"transformers": N}, None, False),
+    ],
+    "bert_family_causal_lm_attends_to_future": [
+        ({"transformers": "5.9.0"}, None, True),  # create_bidirectional_mask only
+        ({"transformers": "5.17.0"}, None, True),
+        ({"transformers": "5.8.0"}, None, False),  # get_extended_attention_mask (causal for decoders)
+        ({"transformers": "5.18.0"}, None, False),  # PR #48760
+        ({"transformers": "4.57.6"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "causal_heads_ignore_shift_labels": [
+        ({"transformers": "4.50.0"}, None, True),  # ForCausalLMLoss takes shift_labels (PR #36607)
+        ({"transformers": "5.16.1"}, None, True),
+        ({"transformers": "4.49.0"}, None, False),
+        ({"transformers": "5.17.0"}, None, False),  # PR #48493
+        ({"transformers": N}, None, False),
+    ],
+    "deberta_v2_tokenizer_no_cls_sep": [
+        ({"transformers": "5.0.0"}, None, True),
+        ({"transformers": "5.3.0"}, None, True),
+        ({"transformers": "4.57.6"}, None, False),  # v4 adds them in build_inputs_with_special_tokens
+        ({"transformers": "5.4.0"}, None, False),  # TemplateProcessing post-processor
+        ({"transformers": "5.0.0rc0"}, None, False),  # PEP 440: a pre-release of 5.0.0 is below >=5.0.0
+        ({"transformers": N}, None, False),
+    ],
+    "moe_vlm_config_output_router_logits_ignored": [
+        ({"transformers": "4.57.0"}, None, True),  # Qwen3-VL-MoE's first release
+        ({"transformers": "5.17.0"}, None, True),
+        ({"transformers": "4.56.0"}, None, False),  # no Qwen3-VL-MoE
+        ({"transformers": "5.18.0"}, None, False),  # falls back to config.text_config
+        ({"transformers": "5.18.0.dev0"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
+    "encoder_decoder_num_items_undercount_5_10": [
+        ({"transformers": "5.10.1"}, None, True),  # _loss_shifts_labels appears (PR #46204)
+        ({"transformers": "5.14.1"}, None, True),
+        ({"transformers": "5.9.0"}, None, False),  # counts every label
+        ({"transformers": "5.15.0"}, None, False),  # PR #46903
+        ({"transformers": "4.57.6"}, None, False),  # num_items_in_batch_overcount's range: encoder-decoders left alone
+        ({"transformers": N}, None, False),
+    ],
+    "gemma3_images_causal_without_token_type_ids": [
+        ({"transformers": "5.6.0"}, None, True),  # the training check removed
+        ({"transformers": "5.25.0"}, None, True),  # no fix upstream
+        ({"transformers": "5.5.4"}, None, False),  # raises without token_type_ids
+        ({"transformers": "4.57.6"}, None, False),
+        ({"transformers": N}, None, False),
+    ],
 }
 
 
@@ -582,6 +739,7 @@ def test_matching_reads_installed_versions_when_none_given(monkeypatch):
         "fa2_right_padding_raises_in_training_mixtral",
         "fa2_right_padding_raises_in_training_qwen2_moe",
         "roberta_flattened_position_ids_before_5_15",
+        "moonshine_florence2_double_shifted_labels",
         "num_items_in_batch_overcount_4_46",
         "average_tokens_across_devices_off",
     ]
@@ -611,15 +769,25 @@ def test_the_pinned_stacks_see_the_expected_advisories():
         "s446": ({"transformers": "4.46.3", "trl": "0.12.2", "torch": "2.13.0+cpu"},
                  {"trl_constant_length_dataset_packing", "ga_loss_scaling_4_46", "num_items_in_batch_overcount_4_46",
                   "trl_sft_eos_label_masked_when_pad_is_eos", "fa2_right_padding_raises_in_training",
-                  "average_tokens_across_devices_off", "roberta_flattened_position_ids_before_5_15"}),
+                  "average_tokens_across_devices_off", "roberta_flattened_position_ids_before_5_15",
+                  "trl_dpo_conversational_extra_eos", "trl_gkd_eos_masked_when_pad_is_eos"}),
         "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"},
                  {"num_items_in_batch_overcount_4_46", "fa2_right_padding_raises_in_training_qwen2_moe",
                   "average_tokens_across_devices_off", "gemma_hidden_act_gelu_exact_regression",
-                  "roberta_flattened_position_ids_before_5_15"}),
+                  "roberta_flattened_position_ids_before_5_15", "causal_heads_ignore_shift_labels",
+                  "git_cohere_asr_ppformulanet_double_shifted_labels", "moonshine_florence2_double_shifted_labels",
+                  "trl_dpo_conversational_extra_eos", "trl_gkd_eos_masked_when_pad_is_eos",
+                  "trl_grpo_none_reward_in_baseline", "trl_prompt_not_prefix_completion_shift"}),
         "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"},
                   {"deepseek_v2_yarn_missing_mscale", "fa2_right_padding_raises_in_training_qwen2_moe",
-                   "gemma_hidden_act_gelu_exact_regression", "roberta_flattened_position_ids_before_5_15"}),
-        "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"}, set()),
+                   "gemma_hidden_act_gelu_exact_regression", "roberta_flattened_position_ids_before_5_15",
+                   "causal_heads_ignore_shift_labels", "git_cohere_asr_ppformulanet_double_shifted_labels",
+                   "moonshine_florence2_double_shifted_labels", "trl_dpo_conversational_extra_eos",
+                   "trl_gkd_eos_masked_when_pad_is_eos", "trl_grpo_dapo_normalizer_generation_window",
+                   "trl_grpo_dapo_num_items_counts_masked_tokens", "trl_grpo_none_reward_in_baseline",
+                   "trl_prompt_not_prefix_completion_shift", "moe_vlm_config_output_router_logits_ignored"}),
+        "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"},
+                 {"gemma3_images_causal_without_token_type_ids"}),
     }
     for name, (versions, expected) in stacks.items():
         assert {a.id for a in advisories.matching(versions)} == expected, name
