@@ -76,19 +76,28 @@ DEFAULT_STACK_ONLY = (
     "tests/monitor/test_healthy.py",
     "tests/monitor/test_trl_healthy.py",
     "tests/monitor/test_distributed.py",
+    # the monitor's data/configuration checks read batches and the Trainer's schedule, not a shim's target
+    "tests/monitor/test_data_checks.py",
+    # engines and accelerate's clipping path: the default stack and the newest (below)
+    "tests/monitor/test_grad_norm.py",
+    "tests/monitor/test_deepspeed.py",
+    "tests/deepspeed/",
     "tests/lifecycle/test_compile.py::test_wrapper_effect_is_in_the_compiled_graph_and_gone_after_revert",
     "tests/lifecycle/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[llama-sdpa]",
     "tests/lifecycle/test_compile.py::test_default_shims_keep_transformers_compile_paths_working[mistral-sdpa]",
 )
 # ... except on a stack with a torch of its own (``torch = "..."`` in stacks.toml): what torch changes between
 # releases (cpp_extension for the kernels, dynamo, the distributed APIs) runs there too.
-TORCH_DEPENDENT = ("tests/kernels/", "tests/lifecycle/test_compile.py", "tests/e2e/test_distributed.py")
+# The same stack is the newest of everything (accelerate 1.16's clipping path, DeepSpeed on the newest transformers).
+TORCH_DEPENDENT = ("tests/kernels/", "tests/lifecycle/test_compile.py", "tests/e2e/test_distributed.py",
+                   "tests/monitor/test_grad_norm.py", "tests/monitor/test_deepspeed.py", "tests/deepspeed/")
 # torch.compile over the shims changes with transformers' mask and attention code, which changes by era, not with
 # every release: besides the default stack and a stack with its own torch, one stack per era runs the compile tests
-# (the _expand_mask era, 4.37's converter, 4.38's _update_causal_mask, 4.46, masking_utils, v5 before and at the
-# newest). They are half of a matrix stack's time.
+# (the _expand_mask era, 4.37's converter, 4.38's _update_causal_mask, masking_utils, v5 at the newest). They are
+# half of a matrix stack's time (~60 s of ~250 s): 4.46 (the same _update_causal_mask era as 4.38) and the early-5.x
+# stack (the same v5 masking_utils as the newest) were dropped from the list to keep CI within its hour.
 COMPILE_TESTS = "tests/lifecycle/test_compile.py"
-COMPILE_STACKS = ("t4_34", "t4_37", "t4_38", "t4_46", "t4_53", "t5_5", "t5_25")
+COMPILE_STACKS = ("t4_34", "t4_37", "t4_38", "t4_53", "t5_25")
 
 
 def pytest_addoption(parser):
