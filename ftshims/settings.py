@@ -31,7 +31,11 @@ the start-up hook imports it in every process where ``FTSHIMS_AUTO`` is set.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+
+# The error format and the monitor's log path live in _setting_base, which the monitor's options import too:
+# settings -> monitor.options -> _setting_base, one way (the names stay importable from here).
+from ._setting_base import MONITOR_LOG_ENV, invalid, parse_monitor_log  # noqa: F401 (re-exported)
 
 DISABLE_ENV = "FTSHIMS_DISABLE"
 AUTO_ENV = "FTSHIMS_AUTO"
@@ -46,20 +50,8 @@ ROTARY_BACKEND_ENV = "FTSHIMS_ROTARY_BACKEND"
 ROTARY_BACKENDS = ("auto", "cpu", "cuda", "reference")
 # The training health monitor (ftshims.monitor): attach it to every Trainer, and where its JSON lines go.
 MONITOR_ENV = "FTSHIMS_MONITOR"
-MONITOR_LOG_ENV = "FTSHIMS_MONITOR_LOG"
 # The drift canary's download folder (ftshims.canary; default: the user's cache directory).
 CANARY_CACHE_ENV = "FTSHIMS_CANARY_CACHE"
-
-
-def invalid(setting: str, given: Any, problem: str, allowed: Sequence[Any]) -> ValueError:
-    """The one error format: ``setting: problem; allowed: ... (did you mean ...?)``, on one line."""
-    import difflib  # only on an error: this module is imported at start-up by the hook
-
-    names = [str(a) for a in allowed]
-    lowered = {name.lower(): name for name in names}  # matched case-insensitively, suggested as spelled
-    close = difflib.get_close_matches(str(given).strip().lower(), list(lowered), n=1)
-    hint = f" (did you mean {lowered[close[0]]!r}?)" if close else ""
-    return ValueError(f"{setting}: {problem}; allowed: {', '.join(names) or 'none'}{hint}")
 
 
 def check_value(setting: str, value: Any, choice) -> Any:
@@ -262,23 +254,6 @@ def parse_monitor(raw: Optional[str] = None) -> Optional[Dict[str, Any]]:
 
     options.check(given, source=f"{MONITOR_ENV}={raw!r}")
     return given
-
-
-def parse_monitor_log(raw: Optional[str] = None, setting: str = MONITOR_LOG_ENV) -> Optional[str]:
-    """``FTSHIMS_MONITOR_LOG``: the monitor's JSONL path, or None (unset or empty). The path must not be a
-    directory and its directory must exist (each rank of a distributed run writes ``<stem>.rank<N><suffix>``)."""
-    raw = os.environ.get(MONITOR_LOG_ENV, "") if raw is None else raw
-    if not isinstance(raw, (str, os.PathLike)):
-        raise invalid(setting, raw, f"expected a file path, got {raw!r}", ["a path whose directory exists"])
-    text = os.fspath(raw).strip()
-    if not text:
-        return None
-    path = os.path.abspath(os.path.expanduser(text))
-    if os.path.isdir(path):
-        raise invalid(f"{setting}={raw!r}", text, "is a directory, not a file", ["a path whose directory exists"])
-    if not os.path.isdir(os.path.dirname(path)):
-        raise invalid(f"{setting}={raw!r}", text, f"directory {os.path.dirname(path)} does not exist", ["a path whose directory exists"])
-    return path
 
 
 def parse_canary_cache(raw: Optional[str] = None) -> Optional[str]:

@@ -35,6 +35,8 @@ LINKS: Dict[str, Tuple[str, ...]] = {
         "packing_detection_needs_torch_2_6",
     ),
     "rope_low_precision": ("rope_inv_freq_fp32",),
+    "rows_without_target": ("trl_completion_only_template_miss",),
+    "bos_doubled": ("trl_sft_double_bos_conversational",),
 }
 
 

@@ -5,13 +5,15 @@
 a bad value is a ``ValueError`` in the one format of :mod:`ftshims.settings`
 (setting, what was given, what is allowed, the closest match). Importing this
 module imports nothing heavy: the start-up hook and ``settings.py`` use it.
+It imports :mod:`ftshims._setting_base` (the error format, the log path), not
+``settings`` itself: ``settings`` imports this module, so the dependency runs one way.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from .. import settings
+from .._setting_base import invalid, parse_monitor_log
 
 ERROR, WARNING, INFO = "error", "warning", "info"  # the severities of ftshims.advisories and the lint
 
@@ -32,6 +34,16 @@ CODES: Dict[str, Tuple[str, str]] = {
     "rope_low_precision": (WARNING, "a rotary inv_freq buffer is not float32 during training"),
     "token_id_out_of_range": (ERROR, "an input id is at or above the embedding's row count (raised before the forward)"),
     "ranks_identical_batches": (ERROR, "every rank received the same batch (a sampler that does not shard)"),
+    # what users get wrong in their data and configuration (checked on the first data_steps steps' batches and
+    # every read_every steps after)
+    "labels_preshifted": (ERROR, "the labels equal the inputs shifted by one: a causal LM shifts them again and learns the token after next"),
+    "padding_trained_on": (WARNING, "labels on padding: positions the attention mask excludes, or pad ids (pad != EOS) left in the labels"),
+    "bos_doubled": (WARNING, "rows start with BOS twice (a chat template that renders BOS, tokenized with add_special_tokens=True)"),
+    "special_token_invalid": (ERROR, "a BOS/EOS id outside the model's vocabulary, or a tokenizer without EOS for a causal LM"),
+    "rows_without_target": (WARNING, "more than no_target_share of the rows have no label the loss scores"),
+    "rows_truncated": (WARNING, "more than truncated_share of the rows fill the maximum length without their EOS target, while shorter rows end with EOS"),
+    "lr_schedule_cannot_train": (ERROR, "warmup longer than the run, a learning rate of 0 at most steps, or a scheduler that never moves the lr"),
+    "loss_not_moving": (ERROR, "the loss did not change at all over the first loss_steps optimizer steps while parameters are trainable"),
 }
 
 POLICIES = ("warn", "raise")
@@ -52,9 +64,20 @@ DEFAULTS: Dict[str, Any] = {
     "read_every": 50,  # custom loops, read="log" on an accelerator: read every N steps (and at read()/close())
     "localize": True,  # re-run a non-finite batch once with per-module hooks
     "log": None,  # JSONL path (default: FTSHIMS_MONITOR_LOG)
+    # the data and configuration checks: chosen so that healthy runs give no finding
+    "data_steps": 4,  # the batches of the first N optimizer steps are checked (then those of every read_every-th step)
+    "no_target_share": 0.2,  # rows_without_target: fires above this share of rows with no scored label
+    "truncated_share": 0.2,  # rows_truncated: fires above this share of rows cut at the maximum length
+    "shifted_share": 0.9,  # labels_preshifted: fires above this share of labels equal to the next input id
+    "padding_share": 0.0,  # padding_trained_on: fires above this share of scored labels on padding
+    "doubled_share": 0.0,  # bos_doubled: fires above this share of rows starting with BOS twice
+    "lr_zero_share": 0.5,  # lr_schedule_cannot_train: fires above this share of the run's steps at learning rate 0
+    "loss_steps": 5,  # loss_not_moving judges the first N optimizer steps' losses (N >= 2)
 }
 
-_POSITIVE_INTS = ("warmup", "grad_steps", "eos_steps", "hash_every", "frozen_samples", "read_every")
+_POSITIVE_INTS = ("warmup", "grad_steps", "eos_steps", "hash_every", "frozen_samples", "read_every", "data_steps")
+# shares: a number in [0, 1); the finding fires when the share seen is above it
+SHARES = ("no_target_share", "truncated_share", "shifted_share", "padding_share", "doubled_share", "lr_zero_share")
 
 
 def _where(name: str, source: str) -> str:
@@ -72,7 +95,7 @@ def check_policy(value: Any, source: str = "options") -> Dict[str, str]:
             policy = {code: "raise" for code in CODES}
         return policy
     if not isinstance(value, Mapping):
-        raise settings.invalid(where, value, f"expected 'warn', 'raise' or {{code: 'warn'/'raise'}}, got {value!r}", POLICIES)
+        raise invalid(where, value, f"expected 'warn', 'raise' or {{code: 'warn'/'raise'}}, got {value!r}", POLICIES)
     for code, each in value.items():
         policy[check_code(code, where)] = _choice(f"{where}[{code!r}]", each, POLICIES)
     return policy
@@ -80,14 +103,14 @@ def check_policy(value: Any, source: str = "options") -> Dict[str, str]:
 
 def check_code(code: Any, where: str) -> str:
     if not isinstance(code, str) or code.strip().lower().replace("-", "_") not in CODES:
-        raise settings.invalid(where, code, f"unknown detector code {code!r}", list(CODES))
+        raise invalid(where, code, f"unknown detector code {code!r}", list(CODES))
     return code.strip().lower().replace("-", "_")
 
 
 def _choice(where: str, value: Any, allowed) -> str:
     if isinstance(value, str) and value.strip().lower() in allowed:
         return value.strip().lower()
-    raise settings.invalid(where, value, f"got {value!r}", allowed)
+    raise invalid(where, value, f"got {value!r}", allowed)
 
 
 def check(given: Optional[Mapping[str, Any]] = None, source: str = "options") -> Dict[str, Any]:
@@ -95,7 +118,7 @@ def check(given: Optional[Mapping[str, Any]] = None, source: str = "options") ->
     given = dict(given or {})
     for name in given:
         if name not in DEFAULTS:
-            raise settings.invalid(source, name, f"unknown option {name!r}", list(DEFAULTS))
+            raise invalid(source, name, f"unknown option {name!r}", list(DEFAULTS))
     merged = dict(DEFAULTS)
     merged.update(given)
     merged["policy"] = check_policy(merged["policy"], source)
@@ -103,21 +126,29 @@ def check(given: Optional[Mapping[str, Any]] = None, source: str = "options") ->
     if isinstance(off, str):
         off = [off]
     if not isinstance(off, (list, tuple, set, frozenset)):
-        raise settings.invalid(_where("off", source), off, f"expected a list of detector codes, got {off!r}", list(CODES))
+        raise invalid(_where("off", source), off, f"expected a list of detector codes, got {off!r}", list(CODES))
     merged["off"] = frozenset(check_code(code, _where("off", source)) for code in off)
     for name in _POSITIVE_INTS:
         value = merged[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise settings.invalid(_where(name, source), value, f"expected a positive int, got {value!r}", ["any int >= 1"])
+            raise invalid(_where(name, source), value, f"expected a positive int, got {value!r}", ["any int >= 1"])
+    loss_steps = merged["loss_steps"]
+    if isinstance(loss_steps, bool) or not isinstance(loss_steps, int) or loss_steps < 2:
+        raise invalid(_where("loss_steps", source), loss_steps, f"expected an int >= 2, got {loss_steps!r}", ["any int >= 2"])
+    for name in SHARES:
+        value = merged[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise invalid(_where(name, source), value, f"expected a share in [0, 1), got {value!r}", ["any number >= 0 and < 1"])
+        merged[name] = float(value)
     sigmas = merged["spike_sigmas"]
     if isinstance(sigmas, bool) or not isinstance(sigmas, (int, float)) or not sigmas > 0:
-        raise settings.invalid(_where("spike_sigmas", source), sigmas, f"expected a positive number, got {sigmas!r}", ["any number > 0"])
+        raise invalid(_where("spike_sigmas", source), sigmas, f"expected a positive number, got {sigmas!r}", ["any number > 0"])
     merged["spike_sigmas"] = float(sigmas)
     merged["read"] = _choice(_where("read", source), merged["read"], READS)
     if not isinstance(merged["localize"], bool):
-        raise settings.invalid(_where("localize", source), merged["localize"], f"expected true or false, got {merged['localize']!r}", ["true", "false"])
+        raise invalid(_where("localize", source), merged["localize"], f"expected true or false, got {merged['localize']!r}", ["true", "false"])
     if merged["log"] is not None:
-        merged["log"] = settings.parse_monitor_log(merged["log"], setting=_where("log", source))
+        merged["log"] = parse_monitor_log(merged["log"], setting=_where("log", source))
     return merged
 
 

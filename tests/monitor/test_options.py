@@ -31,6 +31,16 @@ BAD_OPTIONS = [
     ({"read": "sometimes"}, "got 'sometimes'", "allowed: auto, step, log"),
     ({"localize": "yes"}, "expected true or false", ""),
     ({"log": "/no/such/dir/run.jsonl"}, "directory /no/such/dir does not exist", ""),
+    ({"data_steps": 0}, "expected a positive int", ""),
+    ({"loss_steps": 1}, "expected an int >= 2", ""),
+    ({"loss_steps": 2.5}, "expected an int >= 2", ""),
+    ({"no_target_share": 1.5}, "expected a share in [0, 1)", ""),
+    ({"truncated_share": 1}, "expected a share in [0, 1)", ""),
+    ({"padding_share": "0.1"}, "expected a share in [0, 1)", ""),
+    ({"shifted_share": True}, "expected a share in [0, 1)", ""),
+    ({"lr_zero_share": -0.1}, "expected a share in [0, 1)", ""),
+    ({"doubled_share": None}, "expected a share in [0, 1)", ""),
+    ({"off": ["bos_double"]}, "unknown detector code 'bos_double'", "did you mean 'bos_doubled'?"),
 ]
 
 pytestmark = default_stack_only
@@ -42,7 +52,7 @@ def test_bad_option_raises_when_given(given, problem, hint):
         with pytest.raises(ValueError) as raised:
             make(**given)
         assert problem in str(raised.value) and hint in str(raised.value)
-    with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         settings.parse_monitor(json.dumps(given))
     assert not attach.attached()
 
@@ -184,3 +194,47 @@ def test_every_catalogue_link_and_code_is_real():
     codes = [code for detector in all_detectors() for code in detector.codes]
     assert sorted(codes) == sorted(options.CODES), "one detector per code, each code with its detector"
     assert all(severity in ("error", "warning", "info") for severity, _ in options.CODES.values())
+
+
+def test_data_check_options_are_normalised():
+    from ftshims.monitor import options
+
+    checked = options.check({"padding_share": 0, "no_target_share": 0.5, "loss_steps": 3, "data_steps": 2})
+    assert checked["padding_share"] == 0.0 and isinstance(checked["padding_share"], float)
+    assert checked["no_target_share"] == 0.5 and checked["loss_steps"] == 3 and checked["data_steps"] == 2
+    assert set(options.SHARES) <= set(options.DEFAULTS)
+    assert all(0 <= options.DEFAULTS[name] < 1 for name in options.SHARES)
+
+
+def test_options_and_settings_import_one_way():
+    """settings -> monitor.options -> _setting_base, and settings -> _setting_base: no circle. The error format
+    and the log path are the same functions from both."""
+    import ast
+
+    from ftshims import _setting_base
+    from ftshims.monitor import options
+
+    def imported(path):
+        tree = ast.parse((ROOT / path).read_text())
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = "." * node.level + (node.module or "")
+                names.update(f"{base}.{alias.name}" if not node.module else base for alias in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+        return names
+
+    assert not {n for n in imported("ftshims/monitor/options.py") if n.endswith("settings")}, "options imports settings"
+    assert not {n for n in imported("ftshims/_setting_base.py") if n.startswith(".") or n.startswith("ftshims")}
+    assert settings.invalid is _setting_base.invalid is options.invalid
+    assert settings.parse_monitor_log is _setting_base.parse_monitor_log is options.parse_monitor_log
+    for first in ("ftshims.monitor.options", "ftshims.settings"):  # either import order works on its own
+        result = _python(ONE_WAY.format(first=first))
+        assert result.returncode == 0 and result.stdout.strip() == "{'warmup': 3}", result.stdout + result.stderr
+
+
+ONE_WAY = """
+import {first}, ftshims.settings as s
+print(s.parse_monitor('{{"warmup": 3}}'))
+"""

@@ -41,11 +41,14 @@ class Detector:
 
 
 def all_detectors() -> List[Detector]:
+    from .data import DataChecks, SpecialTokenInvalid
     from .labels import EosNeverTarget, LabelsAllIgnored, LossCountMismatch
     from .nonfinite import NonFinite
     from .packing import PackingContaminated
+    from .progress import LossNotMoving
     from .ranks import RanksIdenticalBatches
     from .rope import RopeLowPrecision
+    from .schedule import LrScheduleCannotTrain
     from .spikes import GradNormSpike, LossSpike
     from .tokens import TokenIdOutOfRange
     from .trainable import FrozenParamChanged, NothingTrainable, TrainableWithoutGrad
@@ -54,6 +57,7 @@ def all_detectors() -> List[Detector]:
         TokenIdOutOfRange(), NothingTrainable(), TrainableWithoutGrad(), FrozenParamChanged(), NonFinite(),
         LossSpike(), GradNormSpike(), LabelsAllIgnored(), EosNeverTarget(), LossCountMismatch(),
         PackingContaminated(), RopeLowPrecision(), RanksIdenticalBatches(),
+        SpecialTokenInvalid(), DataChecks(), LrScheduleCannotTrain(), LossNotMoving(),
     ]
 
 
