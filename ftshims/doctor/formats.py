@@ -11,7 +11,7 @@ of a section change together; each renderer is short.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from ..spec import SPEED
 from .shims import NOT_AFFECTED, OPT_IN, PATCHED, PATCHED_ON_IMPORT, UNPATCHED, UNVERIFIED
@@ -54,6 +54,15 @@ def _torch_line(torch: Dict[str, Any]) -> str:
     if torch.get("cxx11_abi") is not None:
         parts.append(f"C++11 ABI {'TRUE' if torch['cxx11_abi'] else 'FALSE'}")
     return ", ".join(parts)
+
+
+def _deepspeed_line(ds: Dict[str, Any]) -> Optional[str]:
+    """``0.19.8, accelerator cpu (detected: no CUDA device ...)``; None when DeepSpeed is not installed."""
+    if not ds or not ds.get("version"):
+        return None
+    where = ds.get("source") or "?"
+    detail = f": {ds['detail']}" if ds.get("detail") else ""
+    return f"{ds['version']}, accelerator {_v(ds.get('accelerator'), 'unknown')} ({where}{detail})"
 
 
 def _gpu_lines(torch: Dict[str, Any]) -> List[str]:
@@ -142,6 +151,9 @@ def to_text(report: Dict[str, Any]) -> str:
     rows.append(("GPU", gpus[0]))
     rows += [("", line) for line in gpus[1:]]
     rows.append(("bf16", _bf16(torch)))
+    ds_line = _deepspeed_line(env.get("deepspeed") or {})
+    if ds_line:
+        rows.append(("DeepSpeed", ds_line))
     out += [f"  {k:<10}{v}" for k, v in rows]
     if torch.get("field_errors"):
         out += [f"  {'':<10}(could not read {e})" for e in torch["field_errors"]]
@@ -383,6 +395,9 @@ def to_markdown(report: Dict[str, Any]) -> str:
         ["bf16", _bf16(torch)],
         ["ftshims", _v(report["ftshims"].get("version")) + _ftshims_env(report)],
     ]
+    ds_line = _deepspeed_line(env.get("deepspeed") or {})
+    if ds_line:
+        env_rows.insert(5, ["DeepSpeed", ds_line])
     out += _table(["", ""], env_rows)
     out += ["", "<details><summary>Packages</summary>", ""]
     out += _table(["package", "version"], [[r["name"], _pkg_text(r)] for r in report["packages"]])

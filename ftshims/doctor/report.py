@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, TextIO
 
 from .. import verdicts
 from . import flashattn, frameworks, stacks
+from .deepspeed_info import deepspeed_section
 from .environment import error_text, ftshims_info, platform_info, python_info, torch_info
 from .packages import BROKEN, collect_packages, package_names
 from .shims import (
@@ -95,11 +96,17 @@ def _torch_unknown() -> Dict[str, Any]:
     return {"status": None, "error": None}
 
 
+def _deepspeed_unknown() -> Dict[str, Any]:
+    # Filled by deepspeed_info.deepspeed_section (metadata and torch facts; deepspeed is never imported).
+    return {"status": None, "version": None, "accelerator": None, "source": None, "detail": None}
+
+
 @dataclass
 class EnvironmentSection:
     python: Dict[str, Any] = field(default_factory=dict)
     platform: Dict[str, Any] = field(default_factory=dict)
     torch: Dict[str, Any] = field(default_factory=_torch_unknown)
+    deepspeed: Dict[str, Any] = field(default_factory=_deepspeed_unknown)
 
 
 @dataclass
@@ -251,6 +258,9 @@ def collect(options: Optional[Options] = None, started: Optional[float] = None) 
             env.torch = served["torch"]
         else:
             env.torch = steps.run("environment", torch_info, env.torch)
+        env.deepspeed = steps.run(
+            "environment", lambda: deepspeed_section(_row(report.packages, "deepspeed"), env.torch), env.deepspeed
+        )
 
         if report.ftshims.env_errors:
             # apply() rejects these settings and applies nothing; a trial would only repeat its ValueError.
