@@ -11,6 +11,11 @@ statically with ``ast``: the class/function exists (following one level of
 package) and accepts the declared parameters. A target only counts on versions
 inside the shim's range and the target's own ``when`` range.
 
+The monitor's attach points (``ftshims.monitor.core.ATTACH_POINTS``: the clipping path whose return value is
+the gradient norm, the callback events, DeepSpeed's global norm) are checked the same way, reported as
+``monitor``, on every release their ``when`` range covers; some must also still *mention* a name (the
+Trainer's class a ``clip_grad_norm_``, the ZeRO optimizers' ``step`` the ``_global_grad_norm`` it sets).
+
 A drifted target on a tracked version (one the pinned matrix tests) is an
 error; on the newest release it is reported as "needs attention": the shim
 would be skipped there with "target missing".
@@ -237,10 +242,25 @@ def _find(source: Source, module: str, qualname: str, depth: int = 0):
     return None, f"{module}.{qualname} not defined"
 
 
-def check_target(source: Source, target) -> Tuple[bool, str]:
+def _mentioned(node: ast.AST) -> set:
+    """Every attribute and variable name used inside ``node`` (a function or a class body)."""
+    names = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute):
+            names.add(sub.attr)
+        elif isinstance(sub, ast.Name):
+            names.add(sub.id)
+    return names
+
+
+def check_target(source: Source, target, mentions: Iterable[str] = ()) -> Tuple[bool, str]:
+    """Whether ``target`` exists with its parameters and, for each of ``mentions``, still uses that name."""
     node, where = _find(source, target.module, target.qualname)
     if node is None:
         return False, where
+    missing = [name for name in mentions if name not in _mentioned(node)]
+    if missing:
+        return False, f"no longer mentions {', '.join(missing)} (in {where})"
     if target.params and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         params = _params(node)
         flexible = any(p.startswith("**") for p in params)
@@ -265,6 +285,30 @@ def tracked_versions(package: str) -> List[str]:
     return sorted(versions)
 
 
+MONITOR = "monitor"  # the shim_id column of the monitor's attach points
+
+
+def monitor_points() -> Dict[str, List[Tuple[object, Tuple[str, ...]]]]:
+    """``{package: [(Target, mentions), ...]}`` of the monitor's attach points."""
+    from .monitor.core import ATTACH_POINTS
+
+    points: Dict[str, List[Tuple[object, Tuple[str, ...]]]] = {}
+    for target, mentions in ATTACH_POINTS:
+        points.setdefault(target.package, []).append((target, tuple(mentions)))
+    return points
+
+
+def check_monitor(source: Source, package: str, version: str, tracked: bool, points=None) -> List[Finding]:
+    """The monitor's attach points in one release of ``package`` (those whose ``when`` covers ``version``)."""
+    found = []
+    for target, mentions in (monitor_points() if points is None else points).get(package, []):
+        if target.when and not in_range(version, target.when):
+            continue
+        ok, detail = check_target(source, target, mentions)
+        found.append(Finding(MONITOR, package, version, tracked, target.dotted, ok, detail))
+    return found
+
+
 def run(include_newest: bool = True, cache: Optional[Path] = None, log=print) -> List[Finding]:
     cache = cache_dir() if cache is None else Path(cache)
     findings: List[Finding] = []
@@ -272,6 +316,9 @@ def run(include_newest: bool = True, cache: Optional[Path] = None, log=print) ->
     for shim in registry.shims().values():
         for package in sorted({target.package for target in shim.spec.targets}):
             by_package.setdefault(package, []).append(shim)
+    points = monitor_points()
+    for package in points:
+        by_package.setdefault(package, [])
     for package, shims in sorted(by_package.items()):
         versions: List[Tuple[Optional[str], bool]] = [(v, True) for v in tracked_versions(package)]
         if include_newest:
@@ -296,6 +343,7 @@ def run(include_newest: bool = True, cache: Optional[Path] = None, log=print) ->
                         continue
                     ok, detail = check_target(source, target)
                     findings.append(Finding(shim.id, package, actual, tracked, target.dotted, ok, detail))
+            findings.extend(check_monitor(source, package, actual, tracked, points))
     return findings
 
 

@@ -17,6 +17,12 @@ judge the host values there. When it reads:
 
 One-time checks (train begin, the first packed batch, a non-finite batch) read
 what they need when they run: a handful of synchronisations per run, never per step.
+
+The gradient norm is the one before clipping, the Trainer's own (see ``_record_norm``'s comment): the return
+value of ``Accelerator.clip_grad_norm_`` / ``torch.nn.utils.clip_grad_norm_``, the ``total_norm`` given to
+``clip_grads_with_norm_``, under DeepSpeed the engine's global norm; else the monitor's own over ``p.grad``.
+Under DeepSpeed ``p.grad`` is None at the optimizer step: for the first ``grad_steps`` steps a hook per
+trainable parameter notes that a gradient reached it (:meth:`Monitor.has_grad`).
 """
 
 from __future__ import annotations
@@ -45,22 +51,71 @@ def rank_and_world():
     return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-_CLIPPING = {"patcher": None, "monitors": []}  # the clip_grad_norm_ wrapper, shared by the live monitors
+_CLIPPING = {"patcher": None, "monitors": []}  # the gradient-norm wrappers, shared by the live monitors
+
+# _record_norm: where the monitor takes the step's gradient norm *before clipping*: the value the Trainer
+# itself logs. Each wrapper keeps what it sees (a device tensor as it is, or the float DeepSpeed's path
+# returns) for every live monitor; the last one called in a step wins, the outermost: the Trainer's own call.
+#
+# * ``accelerate.Accelerator.clip_grad_norm_``: its return value is the Trainer's ``grad_norm`` on every
+#   accelerate and engine (DDP, FSDP2, DeepSpeed: the engine's global norm). accelerate 1.16 computes it with
+#   ``get_total_norm`` + ``clip_grads_with_norm_``, never calling ``torch.nn.utils.clip_grad_norm_``: a wrapper
+#   of that alone saw nothing there, and the monitor's own norm after clipping was the clipped one (0.99999
+#   where the Trainer logs 1.549);
+# * ``torch.nn.utils.clip_grad_norm_``: its return value (custom loops, apex);
+# * ``torch.nn.utils.clip_grads_with_norm_`` (torch >= 2.6): the ``total_norm`` it is given (custom loops on
+#   torch's two-part API; transformers 5's mixed-mesh clipping).
+#
+# Under DeepSpeed, when nothing asked for the norm this step (transformers 4 with max_grad_norm=0), the ZeRO
+# optimizer's ``_global_grad_norm`` (what ``DeepSpeedEngine.get_global_grad_norm()`` returns) is read instead:
+# an attribute, no device work. ``ftshims.canary`` checks these attach points (``ATTACH_POINTS``).
+
+
+def _record_norm(total) -> None:
+    if total is None or isinstance(total, bool):
+        return
+    if hasattr(total, "detach"):
+        value = total.detach()
+    elif isinstance(total, (int, float)):
+        value = float(total)
+    else:
+        return
+    for monitor in list(_CLIPPING["monitors"]):
+        monitor._clip_norm = (monitor.step, value)
 
 
 def _clip_grad_norm_(wrapped, instance, args, kwargs):
-    """``torch.nn.utils.clip_grad_norm_``: the total norm it returns (before clipping; a device tensor, kept
-    as it is) is the step's gradient norm for every live monitor. After clipping, the monitor's own norm would
-    only show the clipped value."""
+    """``torch.nn.utils.clip_grad_norm_`` / ``Accelerator.clip_grad_norm_``: the total norm it returns, before
+    clipping, is the step's gradient norm for every live monitor."""
     total = wrapped(*args, **kwargs)
-    if hasattr(total, "detach"):
-        for monitor in list(_CLIPPING["monitors"]):
-            monitor._clip_norm = (monitor.step, total.detach())
+    _record_norm(total)
     return total
 
 
+def _clip_grads_with_norm_(wrapped, instance, args, kwargs):
+    """``torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, ...)``: ``total_norm`` is the
+    norm before clipping."""
+    total = kwargs.get("total_norm", args[2] if len(args) > 2 else None)
+    result = wrapped(*args, **kwargs)
+    _record_norm(total)
+    return result
+
+
+def _wrap_accelerator(patcher):
+    def install(module) -> None:
+        from ..spec import TargetMissing
+
+        owner = getattr(module, "Accelerator", None)
+        if not isinstance(owner, type) or not callable(getattr(owner, "clip_grad_norm_", None)):
+            raise TargetMissing("accelerate.accelerator.Accelerator.clip_grad_norm_ is missing: the monitor takes "
+                                "the gradient norm from torch's clipping functions only")
+        patcher.wrap(owner, "clip_grad_norm_", _clip_grad_norm_)
+
+    return install
+
+
 def _watch_clipping(monitor, on: bool) -> None:
-    """Wrap ``torch.nn.utils.clip_grad_norm_`` (through ftshims' Patcher) while at least one monitor is live."""
+    """Wrap the clipping functions (through ftshims' Patcher) while at least one monitor is live."""
     import torch.nn.utils
 
     from ..patching import LOCK, Patcher
@@ -74,10 +129,63 @@ def _watch_clipping(monitor, on: bool) -> None:
         if watching and _CLIPPING["patcher"] is None:
             patcher = Patcher("monitor")
             patcher.wrap(torch.nn.utils, "clip_grad_norm_", _clip_grad_norm_)
+            if callable(getattr(torch.nn.utils, "clip_grads_with_norm_", None)):  # torch >= 2.6
+                patcher.wrap(torch.nn.utils, "clip_grads_with_norm_", _clip_grads_with_norm_)
+            patcher.when_imported("accelerate.accelerator", _wrap_accelerator(patcher))  # now, or when imported
             _CLIPPING["patcher"] = patcher
         elif not watching and _CLIPPING["patcher"] is not None:
             _CLIPPING["patcher"].undo()
             _CLIPPING["patcher"] = None
+
+
+def _attach_points():
+    """What the monitor wraps or relies on in other packages, checked by ``ftshims.canary`` like shim targets:
+    ``(Target, names the target's source must mention)``. torch's (``clip_grad_norm_``, ``clip_grads_with_norm_``
+    (>= 2.6), ``Optimizer.register_step_pre_hook``, module forward hooks ``with_kwargs``) are not: the canary
+    downloads no torch release; the monitor checks them where it runs (``hasattr``) and falls back."""
+    from ..spec import Target
+
+    events = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end")
+    return (
+        # the callback's events (trainer.py); on_pre_optimizer_step since 4.45 (the optimizer's hook before)
+        *[(Target("transformers.trainer_callback", f"CallbackHandler.{event}"), ()) for event in events],
+        (Target("transformers.trainer_callback", "CallbackHandler.on_pre_optimizer_step", when=">=4.45"), ()),
+        # attach.py: FTSHIMS_MONITOR wraps Trainer.__init__ and adds the callback
+        (Target("transformers.trainer", "Trainer.__init__"), ()),
+        (Target("transformers.trainer", "Trainer.add_callback", params=("callback",)), ()),
+        # the Trainer's gradient norm comes from a clip_grad_norm_ (accelerate's, or torch's) ...
+        (Target("transformers.trainer", "Trainer"), ("clip_grad_norm_",)),
+        # ... whose return value is the norm before clipping, on every engine
+        (Target("accelerate.accelerator", "Accelerator.clip_grad_norm_", params=("parameters", "max_norm")), ()),
+        # DeepSpeed: the engine's global norm (transformers 4 asks the engine), kept by the ZeRO optimizers as
+        # _global_grad_norm, which the monitor reads when nothing asked for it
+        (Target("deepspeed.runtime.engine", "DeepSpeedEngine.get_global_grad_norm"), ("_global_grad_norm",)),
+        (Target("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.step"), ("_global_grad_norm",)),
+        (Target("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.step"), ("_global_grad_norm",)),
+    )
+
+
+ATTACH_POINTS = _attach_points()
+
+
+def deepspeed_optimizer(model, optimizer):
+    """The DeepSpeed (ZeRO) optimizer behind ``optimizer`` (accelerate's wrapper holds it as ``.optimizer``) or
+    behind ``model`` when it is a ``DeepSpeedEngine`` (a custom loop); None outside DeepSpeed."""
+    candidates = [optimizer]
+    if _from_deepspeed(model):
+        candidates.append(getattr(model, "optimizer", None))
+    for found in candidates:
+        for _ in range(4):
+            if found is None:
+                break
+            if _from_deepspeed(found):
+                return found
+            found = getattr(found, "optimizer", None)
+    return None
+
+
+def _from_deepspeed(obj) -> bool:
+    return obj is not None and type(obj).__module__.split(".", 1)[0] == "deepspeed"
 
 
 class Micro:
@@ -169,7 +277,12 @@ class Monitor:
         self._closed = False
         self._grads_done_for = 0
         self._clip_norm = None  # (step, norm) from clip_grad_norm_ this step
+        self._zero = None  # the DeepSpeed optimizer, under DeepSpeed
+        self._rerun_together = False  # ZeRO-3: localization re-runs only where every rank re-runs alike
         self._handles: List[Any] = []
+        self._grad_hooks: List[Any] = []  # per-parameter gradient hooks, the first grad_steps steps (DeepSpeed)
+        self._grad_seen: set = set()  # id() of the parameters a gradient reached this step (through those hooks)
+        self.engine: Dict[str, Any] = {}  # the engine that keeps the gradients, and what that changes (header)
         self.first_device = next((p.device for p in model.parameters()), torch.device("cpu"))
         mode = self.options["read"]
         self.read_each_step = mode == "step" or (mode == "auto" and self.first_device.type in ("cpu", "meta"))
@@ -191,12 +304,71 @@ class Monitor:
         if inner is not None and hasattr(inner, "register_step_pre_hook"):
             self._handles.append(inner.register_step_pre_hook(self._optimizer_pre_hook))
             self.optimizer = inner
+        self._zero = deepspeed_optimizer(model, optimizer)
+        if self._zero is not None:
+            self._attach_deepspeed()
         _watch_clipping(self, True)
+
+    def _attach_deepspeed(self) -> None:
+        """DeepSpeed moves each gradient into its partitioned buffers as it arrives and leaves ``p.grad`` None:
+        for the first ``grad_steps`` steps a hook on each trainable parameter notes that a gradient reached it
+        (a host flag, no device work; :meth:`has_grad`), then the hooks go. The gradient norm is the engine's.
+        Under ZeRO-3 the parameters are partitioned too: a re-run of one rank's batch gathers them (a collective),
+        so localization re-runs only where the ranks agree (:meth:`_agree_on_rerun`), and the monitor says so
+        now; what cannot work here (no norm computed) is a warning now, not silence later."""
+        zero = self._zero
+        stage = 3 if any(hasattr(p, "ds_id") for p in self.model.parameters()) else None
+        if stage is None:
+            stage = getattr(zero, "zero_stage", None) or (2 if getattr(zero, "partition_gradients", False) else None)
+        notes = []
+        no_norm = getattr(zero, "compute_grad_norm", True) is False
+        if no_norm:
+            notes.append("DeepSpeed computes no gradient norm here (zero_optimization.compute_grad_norm=false): "
+                         "grad_norm stays empty, grad_norm_spike and nonfinite_grad cannot fire")
+        if self.options["localize"] and stage == 3 and self.world > 1:
+            if no_norm:
+                self.options["localize"] = False
+                notes.append("localize is off under DeepSpeed ZeRO-3 without a gradient norm: re-running one rank's "
+                             "batch gathers the partitioned parameters, a collective the other ranks would not join")
+            else:  # the global norm is the same on every rank: a non-finite one is a step every rank looks at
+                self._rerun_together = True
+                notes.append("localize under DeepSpeed ZeRO-3: a re-run gathers the partitioned parameters, so it "
+                             "runs only where every rank re-runs its batch the same way (the ranks agree at the step "
+                             "whose global gradient norm is not finite); otherwise the finding names no module")
+        self.engine = {"name": "deepspeed", "zero_stage": stage, "optimizer": type(zero).__name__, "notes": notes}
+        if self.rank == 0:
+            for note in notes:  # what cannot work is a warning; how localize works under ZeRO-3 is information
+                (log.info if note.startswith("localize under") else log.warning)("%s", note)
+        for p in self.model.parameters():
+            if p.requires_grad:
+                self._grad_hooks.append(p.register_hook(self._grad_arrived(id(p))))
+
+    def _grad_arrived(self, key: int):
+        seen = self._grad_seen
+
+        def hook(grad):
+            if not self._busy:
+                seen.add(key)
+            return None
+
+        return hook
+
+    def has_grad(self, p) -> bool:
+        """Whether parameter ``p`` got a gradient in the step being judged (before the update): ``p.grad``, or,
+        where the engine keeps gradients elsewhere (DeepSpeed), the monitor's own note that one reached it.
+        Meaningful in the ``grads`` moment of the first ``grad_steps`` optimizer steps."""
+        return p.grad is not None or id(p) in self._grad_seen
+
+    def _drop_grad_hooks(self) -> None:
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._drop_grad_hooks()
         _watch_clipping(self, False)
 
     # -- the per-step hooks (device work only) ----------------------------------------------------
@@ -254,9 +426,13 @@ class Monitor:
 
         floats = self._step_floats.setdefault(self.step, {})
         clipped, self._clip_norm = self._clip_norm, None
+        grads = []
         if clipped is not None and clipped[0] == self.step:
             floats["grad_norm"] = clipped[1]  # the norm clip_grad_norm_ computed before clipping
-            grads = []
+        elif self._zero is not None:  # the engine's global norm, before clipping (p.grad is None there)
+            norm = getattr(self._zero, "_global_grad_norm", None)
+            if norm is not None:
+                floats["grad_norm"] = norm.detach() if hasattr(norm, "detach") else float(norm)
         else:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if grads:
@@ -300,6 +476,9 @@ class Monitor:
         self.steps_done += 1
         self.step = (global_step if global_step is not None else self.step) + 1
         self._index = 0
+        self._grad_seen.clear()
+        if self._grad_hooks and self.steps_done >= self.options["grad_steps"]:
+            self._drop_grad_hooks()
 
     @property
     def completed_step(self) -> int:
@@ -353,10 +532,32 @@ class Monitor:
             view.lr = floats.get("lr")
         for step in sorted(views):
             view = views[step]
+            if self._rerun_together:
+                self._agree_on_rerun(view)
             for detector in self.detectors.read:
                 detector.read(self, view)
             if self.writer is not None:
                 self.writer.step(view.step, view.loss, view.grad_norm, view.lr)
+
+    def _agree_on_rerun(self, view) -> None:
+        """ZeRO-3, at a step whose global gradient norm is not finite (the same on every rank: every rank reads it
+        at the same point): the ranks tell each other which re-run they would do (the batch's forward for a
+        non-finite loss, forward and backward for a non-finite gradient; one ``all_gather_object``, only at such
+        a step, before the first non-finite finding). Where they differ, the re-runs' collectives would not
+        match: this read localizes nothing (the finding names no module)."""
+        norm = view.grad_norm
+        if norm is None or math.isfinite(norm) or self.seen("nonfinite_loss") or self.seen("nonfinite_grad"):
+            return
+        import torch.distributed as dist
+
+        losses = [v["loss"] for v in view.values if v.get("loss") is not None]
+        path = "forward" if any(not math.isfinite(loss) for loss in losses) else "backward"
+        gathered: List[Any] = [None] * self.world
+        dist.all_gather_object(gathered, path)
+        self.options["localize"] = len(set(gathered)) == 1
+        if not self.options["localize"] and self.rank == 0:
+            log.warning("step %d: the ranks would re-run different passes (%s): not localized under ZeRO-3",
+                        view.step, ", ".join(f"rank {r}: {p}" for r, p in enumerate(gathered)))
 
     def check(self) -> None:
         """The periodic checks (frozen-parameter checksums): at logging steps, every read_every steps, at close."""
@@ -391,6 +592,8 @@ class Monitor:
 
     def begin(self) -> None:
         header = {"options": options_mod.public(self.options), "model": type(self.model).__name__}
+        if self.engine:
+            header["engine"] = self.engine
         fingerprint = _fingerprint()
         header.update(fingerprint)
         if self.rank == 0 and "fingerprint" in fingerprint:
@@ -452,6 +655,8 @@ def _to_host(pending: List[Micro], step_floats: Dict[int, Dict[str, Any]]) -> Di
                     micros[i][key] = value
     for step, table in step_floats.items():
         for key, value in table.items():
+            if torch.is_tensor(value) and hasattr(value, "full_tensor"):  # a DTensor norm (FSDP2): its global value
+                value = value.full_tensor()  # a collective when partial; every rank reads at the same points
             if torch.is_tensor(value):
                 slots.append((steps[step], key, value, "f"))
             else:

@@ -48,6 +48,8 @@ class MonitorCallback(TrainerCallback):
         monitor = Monitor(model, optimizer, tokenizer=processing_class if processing_class is not None else tokenizer,
                           **self.given)
         monitor.in_trainer = True
+        # the schedule check (detectors/schedule.py) reads these at the first optimizer step (host values only)
+        monitor.trainer_context = {"args": args, "state": state, "lr_scheduler": kwargs.get("lr_scheduler")}
         monitor.begin_step(state.global_step)
         self.monitor = monitor
         self._wrap_collate(train_dataloader)

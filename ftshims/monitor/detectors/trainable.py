@@ -5,12 +5,12 @@
   (``prepare_model_for_kbit_training`` on a model that already has adapters).
 * ``trainable_without_grad`` (the first ``grad_steps`` optimizer steps): parameters
   with ``requires_grad`` whose ``.grad`` stayed ``None`` in every one of them,
-  grouped by module. A host check (``p.grad is None``), no device read. With
+  grouped by module. A host check (``mon.has_grad(p)``: ``p.grad``, or under DeepSpeed, which leaves it None, the monitor's note that a gradient arrived), no device read. With
   adapters under reentrant gradient checkpointing it is
   ``lora_reentrant_checkpointing``'s silent form: a trainable module after the
   checkpointed layers (``modules_to_save=["lm_head"]``) keeps the loss
   differentiable, the run trains, and the LoRA weights never move. Not judged
-  when no parameter got a gradient at all (DeepSpeed/FSDP keep gradients elsewhere).
+  when no parameter got a gradient at all.
 * ``frozen_param_changed`` (logging steps and the end): sampled frozen parameters
   whose checksum (float64 sum and sum of squares of up to 2**20 strided elements:
   two scalars each, no copy of the model) changed; in a PeftModel the base weights PEFT froze count as frozen
@@ -83,7 +83,7 @@ class TrainableWithoutGrad(Detector):
         missing = set()
         for name, p in mon.model.named_parameters():
             if p.requires_grad and name not in self.unused:
-                if p.grad is None:
+                if not mon.has_grad(p):
                     missing.add(name)
                 else:
                     self.any_grad = True
