@@ -50,7 +50,7 @@ def assignment() -> dict:
             chosen[spec.id] = FLASH_ATTN_STACK
             continue
         for name in order:
-            if explain_mismatch(spec.requires, datafiles.pinned_versions(name)) is None:
+            if explain_mismatch(spec.requires, dict(datafiles.pinned_versions(name), torch=datafiles.torch_version(name))) is None:
                 chosen[spec.id] = name
                 break
         else:

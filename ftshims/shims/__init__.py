@@ -36,4 +36,9 @@ SHIM_IDS = (
     "packing_recurrent_state",
     "nonpersistent_buffers_uninitialized",
     "roberta_flattened_position_ids",
+    "deepspeed_empty_param_group",
+    "custom_init_overwrites_loaded_weights",
+    "moe_router_probs_resoftmaxed",
+    "moe_router_logits_not_recorded",
+    "resize_embeddings_frozen_under_zero3",
 )

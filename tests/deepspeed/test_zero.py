@@ -29,6 +29,7 @@ WORKER = Path(__file__).with_name("ranks.py")
 LORA_SHIM = "lora_reentrant_checkpointing"
 COUNT_SHIM = "num_items_in_batch_overcount"
 EMPTY_GROUP_SHIM = "deepspeed_empty_param_group"
+RESIZE_SHIM = "resize_embeddings_frozen_under_zero3"
 LAUNCH_TIMEOUT_S = 600
 # Measured on the default stack (2 cores): two ranks vs one process, same global batch, fp32 —
 # per-step loss <= 9.6e-7, LoRA weights after 4 AdamW steps <= 1.9e-6, eval loss <= 4.8e-7.
@@ -38,7 +39,7 @@ WEIGHT_TOL = 2e-5
 LAUNCHES = {
     # name: (ranks, FTSHIMS_AUTO, scenarios)
     "zero_with": (2, "1", "lora_z2,lora_z3,resize_z3,ga_z2,lora_empty_group,bad_config"),
-    "zero_without": (2, None, "lora_z2,lora_z3,ga_z2,lora_empty_group"),
+    "zero_without": (2, None, "lora_z2,lora_z3,resize_z3,ga_z2,lora_empty_group"),
     "single_with": (1, "1", "lora_z3,resize_z3,ga_z2,lora_empty_group"),
 }
 
@@ -243,16 +244,33 @@ def test_resize_under_zero3_initialises_new_rows_as_one_process(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "upstream bug under ZeRO-3, not fixed by ftshims: _get_resized_embeddings replaces the embedding's Parameter "
-    "(`old_embeddings.weight = new_embeddings.weight`, the ZeRO-3 branch of #31979) and _resize_token_embeddings "
-    "then copies requires_grad from that new Parameter, so a frozen embedding becomes trainable and trains "
-    "(transformers 4.57.6 modeling_utils.py:3240 and the ZeRO-3 branch; the same code in 5.0.0 and 5.25.0). "
-    "resize_embeddings_keeps_frozen covers < 4.36 only. XPASS means a fix landed: drop this mark."))
-def test_resize_under_zero3_keeps_frozen_embeddings_frozen(runs):
-    zero = runs["zero_with"][0]["resize_z3"]
-    assert zero["requires_grad_after_resize"] is False, "the frozen input embeddings are trainable after the resize"
-    assert zero["requires_grad_after_train"] is False and zero["embed_unchanged"] is True, "the frozen embeddings trained"
+def test_resize_under_zero3_keeps_frozen_embeddings_frozen(runs, evidence):
+    """Under ZeRO-3 _get_resized_embeddings swaps the new Parameter into the old module (`old_embeddings.weight =
+    new_embeddings.weight`, transformers >= 4.43.4) and _resize_token_embeddings then copies requires_grad from
+    that new, trainable Parameter: without ftshims the frozen input embeddings become trainable and train; with
+    them (resize_embeddings_frozen_under_zero3) they stay frozen and unchanged through the two ZeRO-3 steps."""
+    from ftshims.probing import in_affected_range
+
+    affected = in_affected_range(RESIZE_SHIM)[0]
+    with_shims = [rank["resize_z3"] for rank in runs["zero_with"]]
+    without = [rank["resize_z3"] for rank in runs["zero_without"]]
+    for run in with_shims:
+        assert run["zero_init"] is True
+        assert run["requires_grad_after_resize"] is False, "the frozen input embeddings are trainable after the resize"
+        assert run["requires_grad_after_train"] is False and run["embed_unchanged"] is True, "the frozen embeddings trained"
+    thawed = lambda run: run["requires_grad_after_resize"] or not run["embed_unchanged"]  # noqa: E731
+    for run in without:  # the bug, reproduced on every rank where the registry says it exists
+        assert run["zero_init"] is True
+        assert thawed(run) == affected, run["requires_grad_after_resize"]
+        if affected:
+            assert run["requires_grad_after_train"] is True and run["embed_unchanged"] is False, "did not train"
+    # the new rows do not depend on ftshims (same seed, same mean resizing)
+    assert without[0]["embed_new_rows"] == with_shims[0]["embed_new_rows"]
+    status = runs["zero_with"][0]["statuses"][RESIZE_SHIM]
+    say = lambda run: (f"requires_grad after resize {run['requires_grad_after_resize']}, after 2 steps "  # noqa: E731
+                       f"{run['requires_grad_after_train']}, embedding unchanged {run['embed_unchanged']}")
+    evidence.record_raw(RESIZE_SHIM, "trainer_zero3_two_ranks_resize_frozen_embeddings", affected, thawed(without[0]),
+                        thawed(with_shims[0]), status, without=say(without[0]), with_shim=say(with_shims[0]))
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ SUITE_STACKS = [name for name, info in datafiles.stacks().items() if "session" n
 def stacks_inside(requires) -> list:
     inside = []
     for name in SUITE_STACKS:
-        pins = datafiles.pinned_versions(name)
+        pins = dict(datafiles.pinned_versions(name), torch=datafiles.torch_version(name))
         if all(dist in pins and in_range(pins[dist], spec) for dist, spec in requires.items()):
             inside.append(name)
     return inside

@@ -67,6 +67,8 @@ SEED = 0
 GROUP_TIMEOUT_S = 60
 MAX_PARAMS = 2_500_000  # a tiny model has ~0.1-1M; more means the shrinker missed a dimension
 MAX_TRIAL_S = 1.5  # CPU seconds of one fp32 forward of the main batch
+MONITOR_LOGGER = "ftshims.monitor"
+MONITOR_OPTIONS = {"policy": "warn"}  # every finding recorded, none raised (token_id_out_of_range raises by default)
 
 
 # ----------------------------------------------------------------------------------------------- enumeration
@@ -118,6 +120,8 @@ class _Handler(logging.Handler):
         self.sink = sink
 
     def emit(self, record):
+        if record.name == MONITOR_LOGGER or record.name.startswith(MONITOR_LOGGER + "."):
+            return  # the monitor's findings are collected from its callback (trainer_record), not compared as warnings
         try:
             msg = record.getMessage()
         except Exception:  # noqa: BLE001
@@ -405,8 +409,9 @@ def gelu_gap(model):
             handle.remove()
 
 
-def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
-    """Build ``cls`` with ``attn``; run the plan's steps. Returns {step_key: record}."""
+def run_group(task, cls, config, attn, inputs, plan, compile_backend=None, monitor=False):
+    """Build ``cls`` with ``attn``; run the plan's steps. Returns {step_key: record}. ``monitor``: the Trainer
+    steps run with ``ftshims.monitor.callback()`` attached (their records get ``"monitor"``)."""
     import torch
 
     import inputs as zin
@@ -455,7 +460,7 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
                 if inp == "trainer_lossfn" and ga2 is not None and ga2["exc"]:
                     continue  # the class refuses these micro-batches with its own loss: not a Trainer it trains
                 with gelu_gap(model) as gelu:
-                    rec = trainer_record(model, inputs["trainer"], inp, plan["trainer_kind"])
+                    rec = trainer_record(model, inputs["trainer"], inp, plan["trainer_kind"], monitor)
                 rec["probe"].update(gelu)
                 recs[f"{attn}|fp32|{inp}"] = rec
     del model
@@ -486,9 +491,11 @@ def run_group(task, cls, config, attn, inputs, plan, compile_backend=None):
     return recs
 
 
-def trainer_record(model, batches, step, kind):
+def trainer_record(model, batches, step, kind, monitor=False):
     """One Trainer step (``trainer_step.py``) as a step record: outputs are the step losses and
-    ``num_items_in_batch`` (-1: not counted), grads the accumulated gradients."""
+    ``num_items_in_batch`` (-1: not counted), grads the accumulated gradients. ``monitor``: with
+    ``ftshims.monitor.callback()`` watching it; ``rec["monitor"]`` then holds its findings (code, severity,
+    message, explains) and the step's CPU seconds (the callback only observes: the record is compared as usual)."""
     import torch
 
     import trainer_step as zts
@@ -496,9 +503,15 @@ def trainer_record(model, batches, step, kind):
     rec = {"exc": None, "warn": [], "out": None, "grads": None,
            "probe": {"num_items": None, "step": step, **zts.label_counts(batches)}}
     model.zero_grad(set_to_none=True)
+    watcher = None
+    t0 = time.process_time()
     with capture() as sink:
         try:
-            losses, num, grads = zts.run(model, [fresh(b) for b in batches], step, kind, SEED)
+            if monitor:
+                import ftshims.monitor
+
+                watcher = ftshims.monitor.callback(**MONITOR_OPTIONS)
+            losses, num, grads = zts.run(model, [fresh(b) for b in batches], step, kind, SEED, watcher)
             rec["out"] = losses + [torch.tensor([-1.0 if num is None else float(num)])]
             rec["grads"] = grads
             rec["probe"]["num_items"] = num
@@ -507,6 +520,13 @@ def trainer_record(model, batches, step, kind):
         except Exception as e:  # noqa: BLE001
             rec["exc"] = exc_record(e)
     rec["warn"] = sink
+    if monitor:
+        rec["monitor"] = {"t_cpu": time.process_time() - t0, "ran": watcher is not None and rec["exc"] is None,
+                          "findings": [{"code": f.code, "severity": f.severity, "message": f.message,
+                                        "explains": list(f.explains), "modules": sorted((f.detail or {}).get("modules") or [])}
+                                       for f in (watcher.findings if watcher else [])]}
+    elif rec["exc"] is None:
+        rec["t_cpu"] = time.process_time() - t0
     model.zero_grad(set_to_none=True)
     model.eval()
     return rec
@@ -778,8 +798,9 @@ class TaskRunner:
             c["status"], c["reason"] = "skipped", "plain run fails: " + classify_skip(first)
 
     # --- shimmed phase and the follow-ups
-    def rerun(self, st, cls_name, keys=None):
-        """Run the class's groups again (fresh builds) in whatever shim state is current; only ``keys`` if given."""
+    def rerun(self, st, cls_name, keys=None, monitor=False):
+        """Run the class's groups again (fresh builds) in whatever shim state is current; only ``keys`` if given;
+        ``monitor``: the Trainer steps with the monitor attached (the shimmed phase)."""
         c = st["classes"][cls_name]
         out = {}
         for attn in c["groups"]:
@@ -795,7 +816,7 @@ class TaskRunner:
             try:
                 with time_limit(self.args.group_timeout):
                     out.update(run_group(st["model_type"], c["cls"], st["config"], attn, c["inputs"], plan,
-                                         self.args.compile_backend))
+                                         self.args.compile_backend, monitor))
             except GroupTimeout as e:
                 out[f"{attn}|timeout"] = {"exc": {"text": f"GroupTimeout: {e}", "shim": None}, "warn": []}
         return out
@@ -827,6 +848,114 @@ def load_declared(path):
         return []
     data = tomllib.loads(Path(path).read_text())
     return data.get("change", [])
+
+
+def load_declared_findings(path):
+    """The ``[[monitor_finding]]`` entries of ``declared_changes.toml``: monitor findings allowed on healthy classes,
+    each with a ``reason``; a malformed entry is a ValueError (the gate must not pass on a typo)."""
+    import tomllib
+
+    if not Path(path).exists():
+        return []
+    entries = tomllib.loads(Path(path).read_text()).get("monitor_finding", [])
+    for entry in entries:
+        missing = [k for k in ("id", "code", "arch", "kind", "reason") if not entry.get(k)]
+        unknown = set(entry) - {"id", "code", "arch", "classes", "steps", "modules", "match", "kind", "reason"}
+        if missing or unknown or entry.get("kind") not in FINDING_KINDS:
+            raise ValueError(f"{path}: [[monitor_finding]] {entry.get('id', entry)}: missing {missing or '-'}, "
+                             f"unknown keys {sorted(unknown) or '-'}, kind must be one of {FINDING_KINDS}")
+        for key in ("modules", "match"):
+            if key in entry:
+                re.compile(entry[key])
+    return entries
+
+
+FINDING_KINDS = ("model", "monitor-false-positive")
+
+
+def declared_finding(entries, model_type, cls_name, step, finding):
+    """The ``[[monitor_finding]]`` entry that allows ``finding`` on this class and Trainer step, or None: same code,
+    the model type in ``arch``, the class in ``classes`` and the step in ``steps`` (when given), ``match`` (a regex)
+    found in the message, and every module the finding names (``trainable_without_grad``) matching ``modules``."""
+    for entry in entries:
+        arch = entry["arch"]
+        if entry["code"] != finding["code"] or (arch != "*" and model_type not in (arch if isinstance(arch, list) else [arch])):
+            continue
+        if entry.get("classes") and cls_name not in entry["classes"]:
+            continue
+        if entry.get("steps") and step not in entry["steps"]:
+            continue
+        if entry.get("match") and not re.search(entry["match"], finding["message"]):
+            continue
+        if entry.get("modules") and not (finding.get("modules") and all(
+                re.search(entry["modules"], module) for module in finding["modules"])):
+            continue
+        return entry
+    return None
+
+
+def monitor_summary(args, results):
+    """The monitor's findings on the shimmed Trainer steps: printed, and the undeclared ones as failures."""
+    declared = load_declared_findings(args.declared)
+    steps_ran, classes_ran, findings, raised, cpu = 0, 0, [], [], 0.0
+    for r in results:
+        for cls_name, c in r["classes"].items():
+            watched = c.get("monitor") or {}
+            ran = [s for s, m in watched.items() if m.get("ran")]
+            steps_ran += len(ran)
+            classes_ran += bool(ran)
+            cpu += sum(m.get("t_cpu", 0.0) for m in watched.values()) + sum((c.get("trainer_cpu") or {}).values())
+            for step, m in sorted(watched.items()):
+                for f in m.get("findings", []):
+                    item = {"model_type": r["model_type"], "class": cls_name, "step": step, **f}
+                    if not m.get("ran"):
+                        # the step raised (as in the plain run: the class's Trainer path is not tested); the monitor
+                        # judged an unfinished step at on_train_end: listed, not judged
+                        raised.append(item)
+                        continue
+                    entry = declared_finding(declared, r["model_type"], cls_name, step, f)
+                    item["declared"] = entry.get("id") if entry else None
+                    item["declared_kind"] = entry.get("kind") if entry else None
+                    findings.append(item)
+    undeclared = [f for f in findings if not f["declared"]]
+    canaries = [(f"{r['model_type']}:{cn}", c["monitor_canary"]) for r in results for cn, c in r["classes"].items()
+                if c.get("monitor_canary")]
+    blind = [(where, can) for where, can in canaries if CANARY_CODE not in can["codes"]]
+    by_code = defaultdict(set)
+    for f in findings:
+        by_code[f["code"]].add(f"{f['model_type']}:{f['class']}")
+    if args.no_monitor:
+        print(f"\nzoo gate: monitor not attached (--no-monitor); shimmed Trainer steps {cpu:.1f}s CPU")
+    else:
+        kinds = ", ".join(f"{sum(f['declared_kind'] == k for f in findings)} declared {k}" for k in FINDING_KINDS)
+        n_classes = len({(f["model_type"], f["class"]) for f in findings})
+        print(f"\nzoo gate: monitor attached to {steps_ran} Trainer steps of {classes_ran} classes: {len(findings)} "
+              f"finding{'s' if len(findings) != 1 else ''} on {n_classes} classes ({kinds}, {len(undeclared)} "
+              f"undeclared); shimmed Trainer steps {cpu:.1f}s CPU")
+    for code, where in sorted(by_code.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        shown = sorted(where)
+        print(f"  {code}: {len(shown)} classes: {', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}")
+    per_class = defaultdict(list)  # one line per class and code (both Trainer steps usually say the same)
+    for f in findings:
+        per_class[(not f["declared"], f["declared"] or "", f["model_type"], f["class"], f["code"])].append(f)
+    for (bad, entry, mt, cls_name, code), items in sorted(per_class.items(), key=lambda kv: (not kv[0][0], kv[0][1:])):
+        tag = "UNDECLARED" if bad else f"declared {items[0]['declared_kind']}: {entry}"
+        print(f"  [{tag}] {mt} {cls_name} {'+'.join(f['step'] for f in items)}: [{code}] "
+              f"{items[0]['message'][:400 if bad else 220]}")
+    for f in raised:
+        print(f"  [step raised, not judged] {f['model_type']} {f['class']} {f['step']}: [{f['code']}] {f['message'][:200]}")
+    if not args.no_monitor:
+        if not canaries:
+            print("  canary: not run (no decoder class ran its Trainer steps)")
+        for where, can in canaries:
+            seen = ", ".join(can["codes"]) or "nothing"
+            verdict = "ok" if CANARY_CODE in can["codes"] else f"MONITOR BLIND: {CANARY_CODE} expected"
+            print(f"  canary ({where}, trainer_ga2 with a micro-batch of -100 labels): {seen}: {verdict}"
+                  + (f" ({can['exc'][:160]})" if can.get("exc") else ""))
+    return {"attached": not args.no_monitor, "steps": steps_ran, "classes": classes_ran, "cpu_s": round(cpu, 2),
+            "by_code": {code: sorted(where) for code, where in by_code.items()}, "findings": findings,
+            "on_raised_steps": raised,
+            "undeclared": len(undeclared), "canaries": dict(canaries), "blind": len(blind)}
 
 
 def step_trigger(step_key):
@@ -988,6 +1117,35 @@ def worker_main(args):
             out.flush()
 
 
+_CANARY = {"done": False}  # one canary step per worker process
+CANARY_CODE = "labels_all_ignored"
+
+
+def monitor_canary(runner, states):
+    """The monitor's positive control, once per worker: the first decoder class that ran gets one more Trainer step
+    (``trainer_ga2`` on a fresh build) whose second micro-batch has every label -100; the monitor must report
+    ``labels_all_ignored`` there. Without it, "0 findings" could mean that the monitor saw no step at all (an event
+    or hook a release stopped firing). Stored as the class's ``monitor_canary``."""
+    import trainer_step as zts
+
+    for st in states:
+        for cls_name, c in st["classes"].items():
+            if c["status"] != "run" or c["plan"].get("trainer_kind") != "decoder" or not c.get("monitor"):
+                continue
+            first, second = (dict(b) for b in c["inputs"]["trainer"])
+            second["labels"] = second["labels"].clone().fill_(-100)
+            try:
+                with time_limit(runner.args.group_timeout), capture():
+                    model = build(c["cls"], st["config"], c["plan"]["trainer_attn"])
+                    rec = trainer_record(model, [first, second], "trainer_ga2", "decoder", monitor=True)
+            except Exception as e:  # noqa: BLE001 - reported as a canary that saw nothing
+                rec = {"exc": exc_record(e), "monitor": {"findings": []}}
+            _CANARY["done"] = True
+            c["monitor_canary"] = {"codes": sorted({f["code"] for f in rec["monitor"]["findings"]}),
+                                   "exc": (rec.get("exc") or {}).get("text")}
+            return
+
+
 def _active_ids(report):
     return [e.id for e in report if e.active]
 
@@ -1011,8 +1169,12 @@ def process_chunk(runner, chunk, declared, args, bisect_budget):
             for cls_name, c in st["classes"].items():
                 if c["status"] != "run":
                     continue
-                shim = runner.rerun(st, cls_name)
+                # the healthy setup: shims applied, and the monitor watching its Trainer steps (the plain run, the
+                # reference, runs without it: a monitor that changed what a step computes would be a difference here)
+                shim = runner.rerun(st, cls_name, monitor=not args.no_monitor)
                 c["shim_keys"] = sorted(shim)
+                c["monitor"] = {key.split("|")[2]: rec["monitor"] for key, rec in shim.items() if "monitor" in rec}
+                c["trainer_cpu"] = {key.split("|")[2]: rec["t_cpu"] for key, rec in shim.items() if "t_cpu" in rec}
                 for key in sorted(set(c["plain"]) | set(shim)):
                     p = c["plain"].get(key, {"exc": {"text": "step missing in plain run"}, "warn": []})
                     s = shim.get(key, {"exc": {"text": "step missing in shimmed run"}, "warn": []})
@@ -1020,6 +1182,8 @@ def process_chunk(runner, chunk, declared, args, bisect_budget):
                     if d:
                         diffs_by[(si, cls_name, key)] = {"diffs": d, "plain": p, "shim": s}
             st["t_shim"] = time.time() - t
+        if not args.no_monitor and not _CANARY["done"]:
+            monitor_canary(runner, states)
     finally:
         if report is not None:
             ftshims.revert()
@@ -1140,6 +1304,10 @@ def process_chunk(runner, chunk, declared, args, bisect_budget):
             entry["trainer"] = {} if c["status"] != "run" else {
                 k.split("|")[2]: ((r.get("exc") or {}).get("text")) for k, r in c.get("plain", {}).items()
                 if k.split("|")[2:3] and k.split("|")[2].startswith("trainer")}
+            entry["monitor"] = c.get("monitor") or {}
+            if c.get("monitor_canary"):
+                entry["monitor_canary"] = c["monitor_canary"]
+            entry["trainer_cpu"] = c.get("trainer_cpu") or {}
             for (sj, cn, key), info in diffs_by.items():
                 if sj != si or cn != cls_name:
                     continue
@@ -1225,6 +1393,8 @@ def main(argv=None):
     ap.add_argument("--bisect-budget", type=float, default=90.0, help="seconds per worker for attributing differences")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-trainer", action="store_true", help="skip the Trainer steps (trainer_step.py)")
+    ap.add_argument("--no-monitor", action="store_true",
+                    help="run the shimmed Trainer steps without ftshims.monitor attached (for timing)")
     ap.add_argument("--compile-backend", default="eager",
                     help="torch.compile backend of the fullgraph step: eager (dynamo tracing only, default), aot_eager, inductor")
     ap.add_argument("--declared", default=str(HERE / "declared_changes.toml"))
@@ -1240,6 +1410,7 @@ def main(argv=None):
     if args.worker is not None:
         worker_main(args)
         return 0
+    load_declared_findings(args.declared)  # a malformed [[monitor_finding]] fails now, not after the run
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix="zoo-gate-"))
     cmd_base = [sys.executable, str(Path(__file__).resolve())]
@@ -1252,6 +1423,8 @@ def main(argv=None):
         passthrough.append("--no-compile")
     if args.no_trainer:
         passthrough.append("--no-trainer")
+    if args.no_monitor:
+        passthrough.append("--no-monitor")
     if args.control:
         passthrough.append("--control")
     procs = []
@@ -1363,7 +1536,10 @@ def report(args, results, crashed, wall, tmp):
         print("\ndeclared changes seen, direction checks holding:")
         for (shim, check), n in sorted(by_check.items()):
             print(f"  {shim} / {check}: {n} steps")
-    print(f"\nfailures: {len(failures)}")
+    monitor = monitor_summary(args, results)
+    extra = [f"{monitor['undeclared']} undeclared monitor findings"] if monitor["undeclared"] else []
+    extra += [f"{monitor['blind']} monitor canaries without {CANARY_CODE}"] if monitor["blind"] else []
+    print(f"\nfailures: {len(failures)}" + (f" (and {'; '.join(extra)})" if extra else ""))
     grouped = defaultdict(list)
     for f in failures:
         culprits = ",".join(f.get("culprits") or []) or "?"
@@ -1410,13 +1586,14 @@ def report(args, results, crashed, wall, tmp):
         "failures": failures, "declared_ok": declared_ok, "wall_s": round(wall, 1),
         "trainer_steps": {"built": n_steps, "refused": {k: v for k, v in refused.items()}},
         "crashed_workers": [{"worker": k, "rc": rc} for k, rc, _ in crashed],
+        "monitor": monitor,
         "models": results,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, default=str) + "\n")
     if args.skips:
         Path(args.skips).write_text("\n".join(skip_lines) + "\n")
-    ok = not failures and not crashed and not coverage_fail
+    ok = not failures and not crashed and not coverage_fail and not monitor["undeclared"] and not monitor["blind"]
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -15,10 +15,14 @@ it already built for its sdpa group (eager where sdpa is not selectable):
 The record holds the step losses, ``num_items_in_batch`` (-1 when the Trainer counts nothing) and the accumulated
 gradients, compared like every other step; ``probe`` keeps the label counts the ``num_items_scored`` direction
 check needs. The micro-batches are rows 0-1 of the class's main batch (one full row, one left-padded row; the
-multimodal row 0 carries the image) with labels: the tokens themselves (pad and image positions -100) for
-decoders, and the same with an 8-token prompt masked in the second micro-batch; 20 decoder targets (the last 5
+multimodal row 0 carries the image) with labels: the tokens themselves (pad and image positions -100; without an
+``attention_mask``, the pad ids) for decoders, and the same with an 8-token prompt masked in the second micro-batch; 20 decoder targets (the last 5
 masked in the second) and, as ``DataCollatorForSeq2Seq`` gives them, the decoder inputs (the targets shifted
 right) for encoder-decoders; every 3rd / 5th token for masked LMs; one class per row for classifiers.
+
+In the shimmed run ``gate.py`` passes ``run`` a ``ftshims.monitor.callback()`` (the monitor's false positives
+measured at zoo scale): ``run`` fires on it the events ``Trainer.train()`` fires around one optimizer step, since
+these steps call ``training_step`` without ``train()``.
 
 Nothing here catches exceptions: ``gate.py`` runs these functions inside its capture and records what they raise.
 """
@@ -76,6 +80,8 @@ def micro_batches(main: dict, kind: str, config, image_token=None, seed: int = 0
         labels = ids.clone()
         if "attention_mask" in base:
             labels[base["attention_mask"] == 0] = -100
+        else:  # a model without attention_mask (xLSTM): the padding inputs.py wrote (pad ids are never text ids)
+            labels[ids == zin.pad_id(config)] = -100
         for key in ("mm_token_type_ids", "image_embeds_position_mask"):
             if key in base:
                 labels[base[key] != 0] = -100
@@ -100,7 +106,7 @@ def micro_batches(main: dict, kind: str, config, image_token=None, seed: int = 0
                 batch["decoder_input_ids"] = shift_right(batch["labels"], config)
     elif kind == "masked":
         ids = base["input_ids"]
-        keep = base.get("attention_mask", torch.ones_like(ids)).bool()
+        keep = base["attention_mask"].bool() if "attention_mask" in base else ids.ne(zin.pad_id(config))
         positions = torch.arange(ids.shape[1]).unsqueeze(0)
         for batch, every in ((first, 3), (second, 5)):
             batch["labels"] = torch.where(keep & (positions % every == 0), ids, torch.full_like(ids, -100))
@@ -173,24 +179,51 @@ def make_trainer(model, loss_func=None):
     return trainer
 
 
-def run(model, batches: list, step: str, kind: str, seed: int):
-    """One Trainer step (``trainer_ga2`` or ``trainer_lossfn``): (losses, num_items_in_batch or None, grads)."""
+def _event(callback, name: str, trainer, **objects) -> None:
+    """Fire one ``TrainerCallback`` event on ``callback`` alone, with the arguments ``Trainer.train()``'s
+    ``CallbackHandler`` passes (args, state, control, then the objects); events a release lacks are skipped."""
+    method = getattr(callback, name, None)
+    if method is not None:
+        method(trainer.args, trainer.state, trainer.control, **objects)
+
+
+def run(model, batches: list, step: str, kind: str, seed: int, monitor=None):
+    """One Trainer step (``trainer_ga2`` or ``trainer_lossfn``): (losses, num_items_in_batch or None, grads).
+
+    ``monitor``: a ``ftshims.monitor.callback()`` watching the step. The step calls ``training_step`` itself (no
+    ``train()``), so the callback gets the events ``train()`` fires around one optimizer step, in its order:
+    ``on_train_begin`` (the model; no optimizer, no data loader), ``on_step_begin`` (after ``get_batch_samples``,
+    as 4.46+ do), the micro-batches, ``on_pre_optimizer_step``, ``on_step_end``, and ``on_train_end`` (also when
+    the step raises: the monitor removes its hooks). The gradients are taken after these events, so a monitor
+    that changed them would be seen by the gate's comparison."""
     loss_func = user_loss(kind == "decoder") if step == "trainer_lossfn" else None
     trainer = make_trainer(model, loss_func)
-    samples = [dict(b) for b in batches]
-    num = None
-    get_samples = getattr(trainer, "get_batch_samples", None)
-    if get_samples is not None:
-        params = inspect.signature(get_samples).parameters
-        args = (iter(samples), len(samples)) + ((torch.device("cpu"),) if "device" in params else ())
-        samples, num = get_samples(*args)
-    takes_num = "num_items_in_batch" in inspect.signature(trainer.training_step).parameters
-    losses = []
-    for batch in samples[: 2 if step == "trainer_ga2" else 1]:
-        torch.manual_seed(seed)
-        loss = trainer.training_step(model, batch, num) if takes_num else trainer.training_step(model, batch)
-        losses.append(loss.detach().float().reshape(1))
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if monitor is not None:
+        _event(monitor, "on_train_begin", trainer, model=model, optimizer=trainer.optimizer,
+               lr_scheduler=trainer.lr_scheduler, train_dataloader=None, processing_class=None, tokenizer=None)
+    try:
+        samples = [dict(b) for b in batches]
+        num = None
+        get_samples = getattr(trainer, "get_batch_samples", None)
+        if get_samples is not None:
+            params = inspect.signature(get_samples).parameters
+            args = (iter(samples), len(samples)) + ((torch.device("cpu"),) if "device" in params else ())
+            samples, num = get_samples(*args)
+        takes_num = "num_items_in_batch" in inspect.signature(trainer.training_step).parameters
+        if monitor is not None:
+            _event(monitor, "on_step_begin", trainer)
+        losses = []
+        for batch in samples[: 2 if step == "trainer_ga2" else 1]:
+            torch.manual_seed(seed)
+            loss = trainer.training_step(model, batch, num) if takes_num else trainer.training_step(model, batch)
+            losses.append(loss.detach().float().reshape(1))
+        if monitor is not None:
+            _event(monitor, "on_pre_optimizer_step", trainer)
+            _event(monitor, "on_step_end", trainer)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        if monitor is not None:
+            _event(monitor, "on_train_end", trainer)
     model.eval()
     return losses, (int(num) if num is not None else None), grads
 
