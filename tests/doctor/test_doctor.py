@@ -831,7 +831,13 @@ def test_summary_names_opt_in_fixes_apart_from_speed_shims(full_report):
 def test_a_speed_shim_in_range_is_available_not_affected(full_report):
     """A speed shim fixes no bug: in range it is offered (``available [speed]``), never shown as a bug (``AFFECTED``)."""
     speed = [row for row in full_report["shims"] if row["kind"] == "speed" and row["affected"]]
-    assert speed, "rope_fused_kernel (transformers >=4.30) is in range on every stack"
+    from ftshims.versions import installed_version, in_range
+
+    if not in_range(installed_version("transformers") or "0", "<5.25"):
+        # rope_fused_kernel stays out from 5.25 (apply_rotary_pos_emb is a kernels hub-function module there)
+        assert not any(row["id"] == "rope_fused_kernel" for row in speed)
+        pytest.skip("no speed shim is in range on transformers >= 5.25")
+    assert speed, "rope_fused_kernel (transformers >=4.30,<5.25) is in range on every other stack"
     text, markdown = formats.to_text(full_report), formats.to_markdown(full_report)
     assert "AFFECTED [speed]" not in text
     for row in speed:
