@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import sys
 
-from .._util import acted
 from ..spec import ShimSpec, Target
-from .resize_embeddings_keeps_frozen import _embedding_modules, _flags
+from .resize_embeddings_keeps_frozen import _flags, restore_flags
 
 SPEC = ShimSpec(
     id="resize_embeddings_frozen_under_zero3",
@@ -73,12 +72,7 @@ def _resize_token_embeddings(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     before = _flags(instance)
     result = wrapped(*args, **kwargs)
-    for which, module in _embedding_modules(instance):
-        for pname, p in module.named_parameters(recurse=False):
-            flag = before.get((which, pname))
-            if flag is not None and p.requires_grad != flag:
-                p.requires_grad_(flag)
-                acted(SPEC.id, "requires_grad flags kept after a ZeRO-3 resize")
+    restore_flags(instance, before, SPEC.id, "requires_grad flags kept after a ZeRO-3 resize")
     return result
 
 

@@ -75,15 +75,20 @@ def _flags(model):
     }
 
 
-def _resize_token_embeddings(wrapped, instance, args, kwargs):
-    before = _flags(instance)
-    result = wrapped(*args, **kwargs)
-    for which, module in _embedding_modules(instance):
+def restore_flags(model, before, shim_id: str, action: str) -> None:
+    """Give the embedding parameters the ``requires_grad`` flags ``_flags`` recorded (shared with the ZeRO-3 shim)."""
+    for which, module in _embedding_modules(model):
         for pname, p in module.named_parameters(recurse=False):
             flag = before.get((which, pname))
             if flag is not None and p.requires_grad != flag:
                 p.requires_grad_(flag)
-                acted(SPEC.id, "requires_grad flags kept after resize")
+                acted(shim_id, action)
+
+
+def _resize_token_embeddings(wrapped, instance, args, kwargs):
+    before = _flags(instance)
+    result = wrapped(*args, **kwargs)
+    restore_flags(instance, before, SPEC.id, "requires_grad flags kept after resize")
     return result
 
 
