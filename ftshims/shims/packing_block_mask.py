@@ -312,15 +312,34 @@ def _handing_down_positions(patcher, module, class_name):
         finally:
             _HANDED_POSITIONS.reset(token)
 
-    def builder(wrapped, instance, args, kwargs):
-        handed = _HANDED_POSITIONS.get() if not compiling() else None
-        if handed is not None and len(args) < 5 and kwargs.get("position_ids") is None:
-            kwargs = dict(kwargs, position_ids=handed)
-        return wrapped(*args, **kwargs)
+    def builder_for(function):
+        # position_ids is the 6th parameter on 4.53-5.x (after cache_position) and the 5th once cache_position is
+        # gone: a call passing that many arguments positionally already gives it (5.1's Granite-4 hybrid passes
+        # five positionally, cache_position included), so the slot is read from the builder's own signature.
+        slot = _parameter_slot(function, "position_ids")
+        if slot is None:
+            raise TargetMissing(f"{module.__name__}.{function.__name__} takes no position_ids")
 
+        def builder(wrapped, instance, args, kwargs):
+            handed = _HANDED_POSITIONS.get() if not compiling() else None
+            if handed is not None and len(args) <= slot and kwargs.get("position_ids") is None:
+                kwargs = dict(kwargs, position_ids=handed)
+            return wrapped(*args, **kwargs)
+
+        return builder
+
+    wrappers = {name: builder_for(vars(module)[name]) for name in builders}
     patcher.wrap(cls, "forward", forward)
-    for name in builders:
+    for name, builder in wrappers.items():
         patcher.wrap(module, name, builder)
+
+
+def _parameter_slot(function, name):
+    """The 0-based position of parameter ``name`` in ``function``'s signature, or None where it has none."""
+    import inspect
+
+    names = list(inspect.signature(function).parameters)
+    return names.index(name) if name in names else None
 
 
 def _outside_mask_layer(cls) -> bool:
