@@ -66,10 +66,15 @@ def _torch_source() -> list:
 
 
 def _test_env(**extra) -> dict:
+    stack = extra.get("FTSHIMS_STACK")
+    torch_version = datafiles.torch_version(stack) if stack in STACKS else datafiles.DEFAULT_TORCH
     env = {
         "PYTHONPATH": str(ROOT),
-        # The rotary extension is built once (~20 s) and shared by every session: same torch everywhere.
-        "TORCH_EXTENSIONS_DIR": str(ROOT / ".nox" / ".torch-extensions"),
+        # JIT-built extensions (the rotary kernel ~20 s, DeepSpeed's comm op and CPU Adam ~70 s) are built once per
+        # torch release and shared by the sessions with that torch. One directory per torch: a build is tied to
+        # its torch, and torch's build lock (a file the build leaves only when killed) must never be shared
+        # between sessions on different torches (a stale one made every later DeepSpeed launch wait for ever).
+        "TORCH_EXTENSIONS_DIR": str(ROOT / ".nox" / ".torch-extensions" / f"torch-{torch_version}"),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -94,7 +99,8 @@ def _run_suite(session: nox.Session, stack: str) -> None:
     _install_project(session)
     RESULTS.mkdir(exist_ok=True)
     env = _test_env(FTSHIMS_STACK=stack, FTSHIMS_EVIDENCE_OUT=str(RESULTS / f"{stack}.json"))
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *session.posargs, env=env)
+    # --durations: the slowest tests of each stack in its log, for keeping CI within its hour
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=20", *session.posargs, env=env)
 
 
 @nox.session(python="3.11")
@@ -276,7 +282,7 @@ def clients(session: nox.Session) -> None:
     pytest = ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
     # A client run is a whole llamafactory-cli / axolotl train: on a loaded 2-core CI runner 420 s is tight (issue 20)
     timeout = os.environ.get("FTSHIMS_CLIENT_TIMEOUT", "900")
-    env = _test_env(FTSHIMS_STACK=stack, FTSHIMS_CLIENTS="llamafactory,liger,transformers",  # no matrix evidence
+    env = _test_env(FTSHIMS_STACK=stack, FTSHIMS_CLIENTS="llamafactory,liger,transformers,deepspeed",  # no matrix evidence
                     FTSHIMS_CLIENT_TIMEOUT=timeout)
     session.run("python", *pytest, "tests/clients", "--ignore=tests/clients/test_axolotl.py", *session.posargs, env=env)
     if info.get("axolotl"):

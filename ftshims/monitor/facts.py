@@ -22,6 +22,22 @@ def config(model):
     return getattr(base_model(model), "config", None) or getattr(model, "config", None)
 
 
+def config_value(cfg, name: str):
+    """``cfg.<name>`` (a special token id), read where transformers keeps it without a deprecation warning: a
+    composite model's text config first (5.x Idefics3/SmolVLM warn on the top-level ``pad_token_id``, a property
+    there), then the config itself; a property on the config's class is never called. None when neither has it."""
+    if cfg is None:
+        return None
+    text = cfg.get_text_config() if callable(getattr(cfg, "get_text_config", None)) else cfg
+    for candidate in (text, cfg) if text is not cfg else (cfg,):
+        if isinstance(getattr(type(candidate), name, None), property):
+            continue  # a deprecated accessor that logs on every first read
+        value = getattr(candidate, name, None)
+        if value is not None:
+            return value
+    return None
+
+
 def attn_implementation(model) -> str:
     cfg = config(model)
     return str(getattr(cfg, "_attn_implementation", None) or "eager")
@@ -69,10 +85,10 @@ def special_ids(model, tokenizer) -> SimpleNamespace:
         pad = getattr(tok, "pad_token_id", None)
     cfg = config(model)
     if not eos and cfg is not None:
-        value = getattr(cfg, "eos_token_id", None)
+        value = config_value(cfg, "eos_token_id")
         eos = [int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None]
     if pad is None and cfg is not None:
-        pad = getattr(cfg, "pad_token_id", None)
+        pad = config_value(cfg, "pad_token_id")
     return SimpleNamespace(eos=eos, pad=None if pad is None else int(pad))
 
 

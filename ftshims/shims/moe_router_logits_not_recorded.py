@@ -236,7 +236,7 @@ def probe(family: str = "flex_olmo") -> Observation:
     import transformers
     from packaging.version import Version
 
-    from .moe_router_probs_resoftmaxed import build
+    from .moe_router_probs_resoftmaxed import build, reference_aux_loss
 
     if family == "glm4v_moe" and Version(transformers.__version__) < Version("5.0.0"):
         raise ProbeUnsupported("the tiny GLM-4V-MoE config is written for 5.x (rope_parameters)")
@@ -259,7 +259,7 @@ def probe(family: str = "flex_olmo") -> Observation:
     config = getattr(model.config, "text_config", model.config) if family == "glm4v_moe" else model.config
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     loss_func = sys.modules[type(model).__module__].load_balancing_loss_func
-    reference = loss_func(logits, experts, config.num_experts_per_tok, attention_mask)
+    reference = reference_aux_loss(loss_func, logits, experts, config.num_experts_per_tok, attention_mask)
     same = torch.allclose(out.aux_loss.detach(), reference.detach(), rtol=1e-6, atol=1e-7)
     return Observation(not same, f"{family}: aux loss {float(out.aux_loss.detach()):.4f}, from the routers' own logits "
                                  f"{float(reference.detach()):.4f} ({len(out.router_logits or ())} recorded, "

@@ -215,6 +215,42 @@ def run_pair(name: str, make_argv, root: Path) -> Dict[bool, Run]:
     return {run.ftshims: run for run in runs}
 
 
+def llamafactory_fixture(root: Path) -> Path:
+    """``root`` with the tiny model (``model/``) and the alpaca dataset (``data/``, with its ``dataset_info.json``)."""
+    save_tiny_llama(root / "model")
+    data = root / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "tiny.json").write_text(json.dumps(alpaca_rows()))
+    (data / "dataset_info.json").write_text(json.dumps({"tiny": {"file_name": "tiny.json"}}))
+    return root
+
+
+def llamafactory_pairs(fixture_dir: Path, settings_for, env_for=None):
+    """``runs(config)`` -> ``{True: Run with ftshims, False: Run without}`` of ``llamafactory-cli train``, each
+    pair run once, side by side. ``settings_for(config)`` gives the YAML's settings (model, dataset and output
+    paths are filled in here); ``env_for(config, ftshims)`` the runs' extra environment (``extra_path`` included)."""
+    assert hook_installed(), "ftshims-auto.pth is not in this venv's site-packages (install ftshims non-editable)"
+    cli = Path(sys.executable).parent / "llamafactory-cli"
+    done = {}
+
+    def get(config: str):
+        if config not in done:
+
+            def make_argv(workdir: Path):
+                settings = dict(settings_for(config), model_name_or_path=str(fixture_dir / "model"),
+                                dataset_dir=str(fixture_dir / "data"), output_dir=str(workdir / "out"))
+                yaml = workdir / "train.yaml"
+                yaml.parent.mkdir(parents=True, exist_ok=True)
+                yaml.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items() if v is not None))
+                env = env_for(config, workdir.name.endswith("-ftshims"), workdir) if env_for else {}
+                return [str(cli), "train", str(yaml)], workdir / "out", env
+
+            done[config] = run_pair(config, make_argv, fixture_dir / "runs")
+        return done[config]
+
+    return get
+
+
 def finite(values) -> bool:
     return bool(values) and all(math.isfinite(v) for v in values)
 

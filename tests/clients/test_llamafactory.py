@@ -76,41 +76,14 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def fixture_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llamafactory")
-    clientlib.save_tiny_llama(root / "model")
-    data = root / "data"
-    data.mkdir()
-    (data / "tiny.json").write_text(json.dumps(clientlib.alpaca_rows()))
-    (data / "dataset_info.json").write_text(json.dumps({"tiny": {"file_name": "tiny.json"}}))
-    return root
+    return clientlib.llamafactory_fixture(tmp_path_factory.mktemp("llamafactory"))
 
 
 @pytest.fixture(scope="module")
 def runs(fixture_dir):
     """``runs(config)`` -> ``{True: Run with ftshims, False: Run without}``, each pair run once."""
-    assert clientlib.hook_installed(), "ftshims-auto.pth is not in this venv's site-packages (install ftshims non-editable)"
-    cli = Path(sys.executable).parent / "llamafactory-cli"
-    done = {}
-
-    def get(config: str):
-        if config not in done:
-
-            def make_argv(workdir: Path):
-                settings = dict(BASE, **CONFIGS[config])
-                settings.update(
-                    model_name_or_path=str(fixture_dir / "model"),
-                    dataset_dir=str(fixture_dir / "data"),
-                    output_dir=str(workdir / "out"),
-                )
-                yaml = workdir / "train.yaml"
-                yaml.parent.mkdir(parents=True, exist_ok=True)
-                yaml.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items() if v is not None))
-                return [str(cli), "train", str(yaml)], workdir / "out", {"extra_path": [STUBS]}
-
-            done[config] = clientlib.run_pair(config, make_argv, fixture_dir / "runs")
-        return done[config]
-
-    return get
+    return clientlib.llamafactory_pairs(fixture_dir, lambda config: dict(BASE, **CONFIGS[config]),
+                                        lambda config, ftshims, workdir: {"extra_path": [STUBS]})
 
 
 def _finished(run):

@@ -14,17 +14,14 @@ there a missing deepspeed or start-up hook is a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import dslaunch
+
 WORKER = Path(__file__).with_name("ranks.py")
 LORA_SHIM = "lora_reentrant_checkpointing"
 COUNT_SHIM = "num_items_in_batch_overcount"
@@ -44,21 +41,6 @@ LAUNCHES = {
 }
 
 
-def _stack_pins_deepspeed() -> bool:
-    from ftshims import datafiles
-
-    stack = os.environ.get("FTSHIMS_STACK")
-    return bool(stack) and "deepspeed" in datafiles.pinned_versions(stack)
-
-
-def _require(condition: bool, what: str) -> None:
-    if condition:
-        return
-    if _stack_pins_deepspeed():
-        pytest.fail(f"{what}, but stack {os.environ['FTSHIMS_STACK']} pins deepspeed (nox installs it)")
-    pytest.skip(f"{what} (pip install deepspeed to run the ZeRO tests)")
-
-
 def _pth_installed() -> bool:
     import site
     import sysconfig
@@ -67,57 +49,20 @@ def _pth_installed() -> bool:
     return any((Path(d) / "ftshims-auto.pth").exists() for d in dirs)
 
 
-def _env(auto, noop=()):
-    env = dict(os.environ)
-    if noop:  # the mutation check's --noop-shim reaches the ranks (ranks.py installs them as no-ops)
-        env["FTSHIMS_TEST_NOOP_SHIMS"] = ",".join(noop)
-    for name in ("FTSHIMS_DISABLE", "FTSHIMS_AUTO", "FTSHIMS_MONITOR"):
-        env.pop(name, None)
-    if auto:
-        env["FTSHIMS_AUTO"] = auto
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    # DeepSpeed's JIT-built comm op, kept per environment: two environments sharing torch's default directory
-    # rebuild it in turn (the build records the sources' paths), 70 s each time on 2 cores
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-    return env
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, pytestconfig):
     """``{launch: [rank0, rank1]}``: each rank's JSON (see ranks.py)."""
-    _require(importlib.util.find_spec("deepspeed") is not None, "deepspeed is not installed")
-    _require(_pth_installed(), "ftshims-auto.pth is not installed in this environment")
+    dslaunch.require_deepspeed()
+    dslaunch.require(_pth_installed(), "ftshims-auto.pth is not installed in this environment")
     root = tmp_path_factory.mktemp("zero")
-    procs, logs = {}, {}
-    try:
-        for name, (ranks, auto, scenarios) in LAUNCHES.items():
-            script = [str(WORKER), "--out", str(root / name), "--scenarios", scenarios]
-            # --standalone: c10d rendezvous on a free localhost port chosen by torchrun itself
-            argv = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *script]
-                    if ranks > 1 else [sys.executable, *script])
-            logs[name] = open(root / f"{name}.log", "w")
-            # each launch in its own process group, so that a kill reaches the ranks torchrun started
-            procs[name] = subprocess.Popen(argv, env=_env(auto, pytestconfig.getoption("--noop-shim")), stdout=logs[name], stderr=subprocess.STDOUT, cwd=root,
-                                           start_new_session=True)
-        codes = {}
-        for name, proc in procs.items():
-            try:
-                codes[name] = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                codes[name] = f"killed after {LAUNCH_TIMEOUT_S} s"
-                proc.wait()
-    finally:  # a failed wait or start leaves no launch (and no rank) running
-        for proc in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for log in logs.values():
-            log.close()
+    noop = pytestconfig.getoption("--noop-shim")
+    launches = {}
+    for name, (ranks, auto, scenarios) in LAUNCHES.items():
+        script = [str(WORKER), "--out", str(root / name), "--scenarios", scenarios]
+        launches[name] = (dslaunch.argv(script, ranks), dslaunch.rank_env(auto, noop))
+    done = dslaunch.run_all(launches, root, LAUNCH_TIMEOUT_S)
     results = {}
-    for name, code in codes.items():
-        log = (root / f"{name}.log").read_text(errors="replace")
+    for name, (code, log) in done.items():
         assert code == 0, f"{name} exited {code}:\n{log[-4000:]}"
         results[name] = [json.loads(p.read_text()) for p in sorted((root / name).glob("rank*.json"))]
         assert len(results[name]) == LAUNCHES[name][0], (name, log[-2000:])

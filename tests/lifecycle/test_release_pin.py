@@ -48,7 +48,7 @@ def test_pin_to_the_current_release_or_none_applies_everything(world, pin):
     assert report["old_fix"].status == report["new_fix"].status == "applied"
 
 
-@pytest.mark.parametrize("pin", ["0.3", "1", "0.1.0.0", "latest", "", 0.1, ["0.1"]])
+@pytest.mark.parametrize("pin", ["0.9", "1", "0.1.0.0", "latest", "", 0.1, ["0.1"]])
 def test_unknown_release_raises_before_anything_is_installed(world, pin):
     target = world.module()
     original = target.add

@@ -25,31 +25,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests import dslaunch
+
 SCRIPT = Path(__file__).parent / "dist" / "ds_ranks.py"
 STAGES = (2, 3)
-TIMEOUT = 900  # one launch, six Trainer runs: about 80 s on 2 idle cores
+TIMEOUT = 600  # one launch, six Trainer runs: about 80 s on 2 idle cores
 
 pytestmark = pytest.mark.slow
-
-
-def _require_deepspeed():
-    from ftshims import datafiles
-
-    stack = os.environ.get("FTSHIMS_STACK")
-    pinned = stack in datafiles.stacks() and "deepspeed" in datafiles.pinned_versions(stack)
-    if importlib.util.find_spec("deepspeed") is None:
-        if pinned:
-            pytest.fail(f"FTSHIMS_STACK={stack} pins deepspeed, but it is not installed here")
-        pytest.skip("deepspeed is not installed (no stack in use pins it)")
 
 
 def _worker():
@@ -62,27 +48,13 @@ def _worker():
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     """Every rank's findings and JSONL records, per run (``z2-healthy``, ...), and the launch's log."""
-    _require_deepspeed()
+    dslaunch.require_deepspeed()
     out = tmp_path_factory.mktemp("ds")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FTSHIMS_")}  # no shim: the bug present
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT), str(out)]
+    script = [str(SCRIPT), str(out)]
     for stage in STAGES:
-        argv += ["--stage", str(stage)]
-    with open(out / "launch.log", "w") as log:
-        # its own process group: a kill reaches the ranks torchrun started
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out, start_new_session=True)
-        try:
-            code = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    text = (out / "launch.log").read_text(errors="replace")
-    assert code == 0, f"torchrun exited {code}:\n{text[-5000:]}"
+        script += ["--stage", str(stage)]
+    # no FTSHIMS_* at all: no shim, the bug present
+    text = dslaunch.run(dslaunch.argv(script), dslaunch.rank_env(clear_prefix=True), out, TIMEOUT, name="torchrun")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     runs = {}
     for name in ranks[0]["results"]:
@@ -97,7 +69,7 @@ def launch(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The same runs in one process (global batch 4), no shim: the reference for the findings."""
-    _require_deepspeed()
+    dslaunch.require_deepspeed()
     import ftshims
 
     out = tmp_path_factory.mktemp("single")

@@ -122,3 +122,52 @@ def test_frozen_parameter_changed_in_place_names_it_and_nothing_known():
     finding = result.only("frozen_param_changed")
     assert finding.detail["changed"] == ["model.norm.weight"] and finding.explains == []
     assert finding.step == 2 and "no known bug of this stack" in finding.message
+
+
+def _llama_with_an_unused_module():
+    """A full fine-tune whose model carries a trainable module no forward calls (like a pooler the head never
+    reads, or a standalone decoder's cross-attention): its parameters never get a gradient, by design."""
+    from ftshims import tiny
+
+    with tiny.quiet():
+        model = tiny.tiny_llama()
+    model.model.unused_pooler = torch.nn.Linear(model.config.hidden_size, model.config.hidden_size)
+    return model
+
+
+@default_stack_only
+def test_full_fine_tune_parameters_unused_by_design_are_not_a_finding():
+    """The zoo gate's false positives (a pooler, cross-attention, a vision tower's tail: 50 healthy classes on 4.57,
+    82 on 5.25): without adapters and without checkpointing, a parameter without a gradient is one the loss does not
+    depend on, which nothing in the catalogue produces."""
+    with ftshims.applied():  # the stack's own bugs fixed (4.57's label count): only the unused module is left
+        result = train(_llama_with_an_unused_module(), rows_dataset(corpus(n=32, seq=16)))
+    assert result.error is None, result.error
+    assert result.trainer.model.model.unused_pooler.weight.grad is None  # the situation is there
+    result.none()
+
+
+@default_stack_only
+def test_full_fine_tune_under_reentrant_checkpointing_with_frozen_embeddings_is_a_finding():
+    """Still judged under checkpointing: frozen input embeddings and reentrant checkpointing cut every decoder
+    layer's gradient while the final norm and head train (the run is silent, the same bug as with LoRA): the layers
+    are named and lora_reentrant_checkpointing explains it; with it applied (its input-grad hook), no finding."""
+    from ftshims import tiny
+
+    shim = "lora_reentrant_checkpointing"
+
+    def run(**apply):
+        with tiny.quiet():
+            model = tiny.tiny_llama()
+        model.get_input_embeddings().requires_grad_(False)
+        with ftshims.applied(**apply):
+            return train(model, rows_dataset(corpus(n=32, seq=16)), gradient_checkpointing=True,
+                         gradient_checkpointing_kwargs={"use_reentrant": True})
+
+    broken = run(exclude=[shim])
+    assert broken.error is None, broken.error
+    finding = broken.only("trainable_without_grad")
+    assert finding.detail["gradient_checkpointing"] == "reentrant"
+    assert {m.split(".")[2] for m in finding.detail["modules"]} == {"0", "1"}, finding.detail["modules"]
+    assert finding.explains == [shim]
+    run().none()

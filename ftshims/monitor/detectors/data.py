@@ -55,7 +55,7 @@ def bos_id(model, tokenizer) -> Optional[int]:
         value = getattr(tok, "bos_token_id", None)
         if isinstance(value, int):
             return value
-    value = getattr(facts.config(model), "bos_token_id", None)
+    value = facts.config_value(facts.config(model), "bos_token_id")
     if isinstance(value, (list, tuple)):
         value = value[0] if value else None
     return value if isinstance(value, int) else None
@@ -294,7 +294,7 @@ class SpecialTokenInvalid(Detector):
                     named.append(("tokenizer", name, value))
         if cfg is not None:
             for name in ("bos_token_id", "eos_token_id"):
-                value = getattr(cfg, name, None)
+                value = facts.config_value(cfg, name)
                 for each in (value if isinstance(value, (list, tuple)) else [value]):
                     if isinstance(each, int) and not isinstance(each, bool):
                         named.append(("config", name, each))
@@ -311,7 +311,7 @@ class SpecialTokenInvalid(Detector):
         if tok is not None and getattr(tok, "eos_token_id", None) is None and hasattr(tok, "eos_token_id"):
             if not hasattr(mon, "shifts_labels"):
                 mon.shifts_labels = facts.shifts_labels(mon.model)
-            wanted = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+            wanted = facts.config_value(cfg, "eos_token_id")
             if mon.shifts_labels and wanted is not None:
                 mon.report("special_token_invalid", 0,
                            f"the tokenizer has no EOS token, but the model's config stops on EOS id {wanted}: "

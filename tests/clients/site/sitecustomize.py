@@ -20,3 +20,13 @@ if os.environ.get("FTSHIMS_CLIENT_SEED"):
 
     _seed = int(os.environ["FTSHIMS_CLIENT_SEED"])
     wrapt.register_post_import_hook(lambda torch: torch.manual_seed(_seed), "torch")
+
+# FTSHIMS_CLIENT_DS_CPU=1: the CPU catch of docs/deepspeed.md in each rank of a client's DeepSpeed run (a client we
+# cannot edit): on CPU accelerate picks no backend for DeepSpeed and every rank would believe it is alone, so the
+# rank's state is created first with gloo (the YAML passes accelerator_config.use_configured_state). Not in the
+# client's launcher process (no WORLD_SIZE there).
+if os.environ.get("FTSHIMS_CLIENT_DS_CPU") == "1" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    from accelerate import PartialState
+
+    PartialState(backend="gloo")
