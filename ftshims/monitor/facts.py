@@ -28,7 +28,12 @@ def config_value(cfg, name: str):
     there), then the config itself; a property on the config's class is never called. None when neither has it."""
     if cfg is None:
         return None
-    text = cfg.get_text_config() if callable(getattr(cfg, "get_text_config", None)) else cfg
+    text = cfg
+    if callable(getattr(cfg, "get_text_config", None)):
+        try:
+            text = cfg.get_text_config()
+        except (ValueError, TypeError, AttributeError):  # several text configs, or an odd custom config: the top level
+            text = cfg
     for candidate in (text, cfg) if text is not cfg else (cfg,):
         if isinstance(getattr(type(candidate), name, None), property):
             continue  # a deprecated accessor that logs on every first read

@@ -215,6 +215,32 @@ def run_pair(name: str, make_argv, root: Path) -> Dict[bool, Run]:
     return {run.ftshims: run for run in runs}
 
 
+# The LLaMA-Factory YAML of the client tests: LoRA on every linear layer, template default, 3 steps, fp32.
+LLAMAFACTORY_BASE = {
+    "stage": "sft",
+    "do_train": True,
+    "finetuning_type": "lora",
+    "lora_target": "all",
+    "lora_rank": 4,
+    "dataset": "tiny",
+    "template": "default",
+    "cutoff_len": 64,
+    "overwrite_cache": True,
+    "overwrite_output_dir": True,
+    "per_device_train_batch_size": 2,
+    "learning_rate": 1.0e-2,
+    "max_steps": 3,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "bf16": False,
+    "fp16": False,
+    "seed": 0,
+    "dataloader_num_workers": 0,
+    "preprocessing_num_workers": None,
+}
+
+
 def llamafactory_fixture(root: Path) -> Path:
     """``root`` with the tiny model (``model/``) and the alpaca dataset (``data/``, with its ``dataset_info.json``)."""
     save_tiny_llama(root / "model")

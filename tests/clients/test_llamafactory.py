@@ -43,29 +43,7 @@ pytestmark = pytest.mark.slow
 
 STUBS = clientlib.HERE / "stubs"  # torchaudio stand-in, see stubs/torchaudio/__init__.py
 
-BASE = {
-    "stage": "sft",
-    "do_train": True,
-    "finetuning_type": "lora",
-    "lora_target": "all",
-    "lora_rank": 4,
-    "dataset": "tiny",
-    "template": "default",
-    "cutoff_len": 64,
-    "overwrite_cache": True,
-    "overwrite_output_dir": True,
-    "per_device_train_batch_size": 2,
-    "learning_rate": 1.0e-2,
-    "max_steps": 3,
-    "logging_steps": 1,
-    "save_strategy": "no",
-    "report_to": "none",
-    "bf16": False,
-    "fp16": False,
-    "seed": 0,
-    "dataloader_num_workers": 0,
-    "preprocessing_num_workers": None,
-}
+BASE = clientlib.LLAMAFACTORY_BASE
 
 CONFIGS = {
     "packing": {"packing": True},

@@ -60,29 +60,8 @@ DS_Z3_CONFIG = {
     },
 }
 
-BASE = {
-    "stage": "sft",
-    "do_train": True,
-    "finetuning_type": "lora",
-    "lora_target": "all",
-    "lora_rank": 4,
-    "dataset": "tiny",
-    "template": "default",
-    "cutoff_len": 64,
-    "overwrite_cache": True,
-    "overwrite_output_dir": True,
-    "per_device_train_batch_size": 1,
-    "learning_rate": 1.0e-2,
-    "max_steps": 3,
-    "logging_steps": 1,
-    "save_strategy": "no",
-    "report_to": "none",
-    "bf16": False,
-    "fp16": False,
-    "seed": 0,
-    "dataloader_num_workers": 0,
-    "accelerator_config": {"use_configured_state": True},  # the CPU catch (docs/deepspeed.md)
-}
+BASE = dict(clientlib.LLAMAFACTORY_BASE, per_device_train_batch_size=1,
+            accelerator_config={"use_configured_state": True})  # the CPU catch (docs/deepspeed.md)
 
 CONFIGS = {
     "healthy": {"additional_target": "model.norm"},
