@@ -47,6 +47,7 @@ import logging
 import sys
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from .._util import acted, warn_once
@@ -184,7 +185,7 @@ class _Watch:
                 return True
             if isinstance(item, (list, tuple)):
                 todo.extend(item)
-            elif isinstance(item, dict):
+            elif isinstance(item, Mapping):  # dicts, BatchEncoding, ModelOutput
                 todo.extend(item.values())
         return False
 

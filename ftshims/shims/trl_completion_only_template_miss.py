@@ -18,12 +18,19 @@ first two causes, a whole run trains on nothing while the warnings scroll by in 
 
 The guard: wrap ``DataCollatorForCompletionOnlyLM.torch_call``. Before the original runs it finds, with TRL's
 own criterion (the key's ids inside each example's ids with pad ids masked), which examples will miss, and why.
-Policy (option ``policy``, else ``FTSHIMS_COMPLETION_MISS_POLICY``, else ``auto``):
+It reads every example layout TRL's collator accepts: a Mapping with ``input_ids`` (a dict, or the
+``BatchEncoding`` that ``tokenizer(text)`` returns), a list or tuple of ids, a tensor or a numpy array. A layout
+it cannot read (no ``input_ids``, nested ids, text) is left to TRL: the call proceeds untouched and
+``status()`` counts it ("batches left unread"). Policy (option ``policy``, else
+``FTSHIMS_COMPLETION_MISS_POLICY``, else ``auto``):
 
 * ``auto`` (default): a ``ValueError`` naming the row, its text and the cause when the cause makes the template
-  unmatchable (it contains the pad token, or it is tokenized differently in context) or when every example of
-  the batch would be dropped; an isolated miss in a batch that still trains (a truncated example) keeps TRL's
-  behaviour and gets one ftshims warning per collator with the count of such rows;
+  unmatchable (it contains the pad token, or it is tokenized differently in context: every example with it is
+  dropped), or when none of the first ``FIRST_EXAMPLES`` (8) examples this collator collated kept its template
+  (the template or the data is wrong: the run would train on nothing). Any other miss keeps TRL's behaviour —
+  the row is dropped and TRL warns, even when it is the only row of its batch (batch size 1 and one truncated
+  example: the Trainer takes a zero-loss step, as TRL's own tests expect) — with one ftshims warning per
+  collator and the count in ``status()``;
 * ``error``: a ``ValueError`` for every miss;
 * ``warn``: never raises; one warning per collator naming the first miss and its cause, rows dropped as TRL does.
 
@@ -34,8 +41,12 @@ trl >=0.6.0,<0.20.0. Fallback: a collator class without ``torch_call``/``respons
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
+import threading
 import warnings
+import weakref
+from collections.abc import Mapping
 
 from .._util import acted, user_stacklevel
 from ..spec import Choice, Observation, ProbeUnsupported, ShimSpec, Target
@@ -80,11 +91,16 @@ class TemplateMissError(ValueError):
 
 
 def _ids_of(example):
-    ids = example.get("input_ids") if isinstance(example, dict) else example
-    if ids is None:
+    """The token ids of one example as a list of ints, in every layout TRL's collator accepts (a Mapping with
+    ``input_ids`` — a dict or a ``BatchEncoding`` —, a list or tuple of ids, a tensor, a numpy array); ``None`` for
+    a layout this guard does not read (then the guard stays out of the call)."""
+    ids = example.get("input_ids") if isinstance(example, Mapping) else example
+    if ids is None or isinstance(ids, (str, bytes)):
         return None
-    if hasattr(ids, "tolist"):
+    if hasattr(ids, "tolist"):  # torch tensors, numpy arrays
         ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) for t in ids):
+        return None  # nested ids ([1, n] tensors), text, or something else: TRL's own code decides what it means
     return [int(t) for t in ids]
 
 
@@ -114,28 +130,73 @@ def _cause(collator, ids, key, template, pad_id) -> tuple:
                    "missing from the data")
 
 
-def misses(collator, examples) -> list:
-    """``[(row, key name, systematic, cause)]`` for the examples TRL's collator will drop."""
+def misses(collator, examples):
+    """``[(row, key name, systematic, cause, ids)]`` for the examples TRL's collator will drop; ``None`` when an
+    example's layout is one this guard does not read."""
     tokenizer = getattr(collator, "tokenizer", None)
     pad_id = getattr(tokenizer, "pad_token_id", None)
     keys = [("response", getattr(collator, "response_token_ids", None), getattr(collator, "response_template", None))]
     if getattr(collator, "instruction_template", None) is not None:
         keys.append(("instruction", getattr(collator, "instruction_token_ids", None), collator.instruction_template))
+    keys = [(name, _ids_of(key), template) for name, key, template in keys if key is not None and len(key)]
+    if any(key is None for _, key, _ in keys):
+        return None  # template ids in a form TRL itself would not match: not this guard's question
+    rows = [_ids_of(example) for example in examples]
+    if any(ids is None for ids in rows):
+        return None  # a feature layout this guard does not read: say nothing rather than guess
     found = []
-    for row, example in enumerate(examples):
-        ids = _ids_of(example)
-        if ids is None:
-            return []  # a feature layout this guard does not know: say nothing rather than guess
+    for row, ids in enumerate(rows):
         searched = [-100 if t == pad_id else t for t in ids]
         for name, key, template in keys:
-            if not key:
-                continue
-            key = [int(t) for t in key]
             if not _contains(searched, key):
                 systematic, cause = _cause(collator, ids, key, template, pad_id)
                 found.append((row, name, systematic, cause, ids))
                 break  # one cause per row is enough: the row is dropped either way
     return found
+
+
+# How many examples a collator may collate without one keeping its template before the auto policy calls the
+# template or the data wrong: enough that one truncated example (or a few) at the start of a run, at any batch
+# size, never stops it; few enough that a run training on nothing stops within its first steps.
+FIRST_EXAMPLES = 8
+
+
+class _Seen:
+    """What one collator has collated so far (examples, examples that kept their template, whether it warned)."""
+
+    __slots__ = ("examples", "kept", "warned")
+
+    def __init__(self):
+        self.examples = 0
+        self.kept = 0
+        self.warned = False
+
+
+# id(collator) -> (weak reference to it, _Seen). Keyed by identity: TRL's collators are dataclasses, which compare
+# by value and so cannot be dictionary keys; an entry goes when its collator does.
+_SEEN: dict = {}
+_SEEN_LOCK = threading.RLock()  # re-entrant: a weak-reference callback may run while it is held
+
+
+def _forget(key, ref) -> None:
+    with _SEEN_LOCK:
+        if _SEEN.get(key, (None,))[0] is ref:
+            del _SEEN[key]
+
+
+def _seen(collator) -> _Seen:
+    key = id(collator)
+    with _SEEN_LOCK:
+        entry = _SEEN.get(key)
+        if entry is not None and entry[0]() is collator:
+            return entry[1]
+        try:
+            ref = weakref.ref(collator, lambda dead, key=key: _forget(key, dead))
+        except TypeError:  # a collator class that takes no weak references: count this call alone
+            return _Seen()
+        seen = _Seen()
+        _SEEN[key] = (ref, seen)
+        return seen
 
 
 def _describe(collator, miss) -> str:
@@ -150,28 +211,42 @@ def _describe(collator, miss) -> str:
     return f"row {row} ({text!r}) would get no labels: {name} template not found: {cause}"
 
 
-_WARNED: dict = {}
-
-
 def _guard(policy, wrapped, instance, args, kwargs):
     examples = args[0] if args else kwargs.get("examples")
-    found = misses(instance, examples) if examples is not None else []
+    try:
+        found = misses(instance, examples) if examples is not None else None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+        # The guard's own reading failed on input TRL accepts: TRL's call decides, untouched.
+        log.debug("trl_completion_only_template_miss: examples not read (%s); TRL's collator runs unguarded", exc)
+        found = None
+    if found is None:
+        acted(SPEC.id, "batches left unread")
+        return wrapped(*args, **kwargs)
+    seen = _seen(instance)
+    with _SEEN_LOCK:
+        seen.examples += len(examples)
+        seen.kept += len(examples) - len({m[0] for m in found})
+        examples_so_far, kept_so_far = seen.examples, seen.kept
     if found:
         systematic = [m for m in found if m[2]]
-        every_row = len({m[0] for m in found}) == len(examples)
-        refuse = policy == "error" or (policy == "auto" and (systematic or every_row))
+        nothing_kept = kept_so_far == 0 and examples_so_far >= FIRST_EXAMPLES
+        refuse = policy == "error" or (policy == "auto" and (systematic or nothing_kept))
         if refuse:
             acted(SPEC.id, "batches refused")
             first = systematic[0] if systematic else found[0]
+            every_row = len({m[0] for m in found}) == len(examples)
             whole = " (every example of this batch: its loss would be 0)" if every_row else ""
+            if nothing_kept and not systematic and policy == "auto":
+                whole += (f"; none of the {examples_so_far} examples this collator has collated kept its template, "
+                          "so the run would train on nothing")
             raise TemplateMissError(
                 f"DataCollatorForCompletionOnlyLM would drop {len(found)} of {len(examples)} examples from the loss"
                 f"{whole}. First: {_describe(instance, first)}. (ftshims guard trl_completion_only_template_miss; "
                 f"policy={policy}; set policy 'warn' or {ENV_POLICY}=warn to let TRL drop them)"
             )
         acted(SPEC.id, "examples dropped with a warning", len(found))
-        if id(instance) not in _WARNED:
-            _WARNED[id(instance)] = True
+        if not seen.warned:
+            seen.warned = True
             warnings.warn(
                 f"trl_completion_only_template_miss: DataCollatorForCompletionOnlyLM drops {len(found)} of "
                 f"{len(examples)} examples of this batch from the loss; {_describe(instance, found[0])} "
@@ -217,7 +292,8 @@ SCENARIOS = {
                         ["<|im_start|> user a b <|im_end|> <|im_start|> assistant c d <|im_end|>",
                          "<|im_start|> user e <|im_end|> <|im_start|> assistant f g h <|im_end|>"]),
     "truncated": ("### Answer:", ["a b ### Answer: c d", "e f g h a b c"]),
-    "all_missing": ("### Answer:", ["a b c d", "e f g h"]),
+    # the template is in none of the data: FIRST_EXAMPLES examples, none of them kept
+    "all_missing": ("### Answer:", ["a b c d", "e f g h", "a c e g", "b d f h", "a b", "c d", "e f", "g h"]),
     "healthy": ("### Answer:", ["a b ### Answer: c d", "e ### Answer: f g h"]),
 }
 
