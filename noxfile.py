@@ -11,6 +11,7 @@
     nox -s mutation_check     # a no-op version of every fix shim fails its tests (tools/mutation.py)
     nox -s clients            # ftshims inside LLaMA-Factory, Liger, axolotl runs (tests/clients)
     nox -s package            # sdist + wheel as users get them, twine check, the doctor from the installed wheel
+    nox -s peer               # TRL's own tests at its releases, off vs the default shims, per test id (tests/peer)
 
 Every session is a uv venv with torch 2.13.0 (CPU) unless its stack names another
 torch (``torch = "2.15.0"`` in stacks.toml: a CUDA build from PyPI, run on the CPU). uv does not read pip's
@@ -246,6 +247,28 @@ def zoo(session: nox.Session, stack: str) -> None:
         "--min-image-text", str(min_image_text),
         *session.posargs, env=_test_env(FTSHIMS_STACK=stack),
     )
+
+
+# Upstream projects' own test suites against ftshims (tests/peer/README.md): TRL's tests of a release inside the TRL
+# shims' ranges, run off and with the default shims in the stack that pins that release, compared per test id; only
+# the differences declared in tests/peer/declared.toml may occur.
+PEER_RELEASES = {"t4_53": ("trl", "0.19.1"), "t4_57": ("trl", "1.16.0")}
+
+
+@nox.session(python="3.11")
+@nox.parametrize("stack", list(PEER_RELEASES))
+def peer(session: nox.Session, stack: str) -> None:
+    """TRL's own tests (vendored under tests/peer/trl/<release>/) off vs ``FTSHIMS_AUTO=1``, per test id.
+
+    Arguments after -- go to both pytest runs (e.g. -- -k collator). Results: matrix-results/peer/.
+    """
+    suite, release = PEER_RELEASES[stack]
+    session.install(*_torch_source(), _torch(stack), *STACKS[stack]["pins"], *TEST_DEPS, "parameterized==0.9.0")
+    _install_project(session)  # the runs import the installed ftshims (the vendored tree is a package named tests)
+    env = _test_env(FTSHIMS_STACK=stack)
+    session.run("python", "tests/peer/run.py", "--suite", suite, "--release", release, "--out", str(RESULTS / "peer"),
+                "--hub-cache", str(ROOT / ".nox" / ".peer-hub"), *(["--"] + session.posargs if session.posargs else []),
+                env=env)
 
 
 # The client frameworks (tests/clients, README "Using ftshims with LLaMA-Factory / axolotl / TRL").
