@@ -42,4 +42,5 @@ SHIM_IDS = (
     "moe_router_logits_not_recorded",
     "resize_embeddings_frozen_under_zero3",
     "peft_prompt_learning_packing",
+    "trl_fused_head_trainable_tokens",
 )
