@@ -43,4 +43,5 @@ SHIM_IDS = (
     "resize_embeddings_frozen_under_zero3",
     "peft_prompt_learning_packing",
     "trl_fused_head_trainable_tokens",
+    "trl_fused_head_logit_transforms",
 )

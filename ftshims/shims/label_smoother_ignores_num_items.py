@@ -44,6 +44,7 @@ import threading
 
 from .._util import acted
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from . import _packing
 
 SPEC = ShimSpec(
     id="label_smoother_ignores_num_items",
@@ -257,7 +258,7 @@ def sft_first_step(model, rows, batch_size: int, accumulation: int, smoothing: f
                for i, p in enumerate(model.parameters()) if p.requires_grad]
     words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, 128)]
     tokenizer = tiny.word_tokenizer(words, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    with tempfile.TemporaryDirectory() as out, tiny.quiet(), warnings.catch_warnings():
+    with tempfile.TemporaryDirectory() as out, tiny.quiet(), _packing.quiet_datasets(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             args = SFTConfig(output_dir=out, per_device_train_batch_size=batch_size,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from .._util import acted
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from . import _packing
 
 SPEC = ShimSpec(
     id="trl_fused_head_trainable_tokens",
@@ -133,7 +134,7 @@ def sft_trainer(case: str = "lm_head"):
     words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, 128)]
     tokenizer = tiny.word_tokenizer(words, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     out = tempfile.mkdtemp()
-    with tiny.quiet(), warnings.catch_warnings():
+    with tiny.quiet(), _packing.quiet_datasets(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2, report_to=[],
                          use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
