@@ -11,9 +11,10 @@ PEFT prompt-learning model loses that record before the base model runs:
   from peft 0.19; dropping them before): transformers detects packed rows only without a cache, so no block mask is
   built and the examples attend to each other.
 
-ftshims' packing shims cannot see it either (the positions are gone, or a cache is there). On a tiny Llama the second
-of two packed examples differs from the same example alone by 0.088 (prompt tuning), 0.12 (p-tuning) and 0.117
-(prefix tuning) in its logits, on transformers 4.57.6 and 5.25.0, sdpa and eager, peft 0.21.2; LoRA is exact.
+ftshims' packing shims cannot see it either (the positions are gone, or a cache is there). On a tiny Llama with 4
+trained-looking virtual tokens the second of two packed examples differs from the same example alone by 0.24 (prompt
+tuning), 0.22 (p-tuning) and 0.25 (prefix tuning) in its logits, on transformers 4.57.6, 5.16.1 and 5.25.0, sdpa and
+eager, peft 0.20.0 and 0.21.2; LoRA is exact.
 
 The fix: wrap ``PeftModelForCausalLM.forward``. When the active adapter is prompt tuning, p-tuning or prefix tuning,
 the call's ``position_ids`` restart at 0 between real tokens (a packed row: ``_packing.segments``), the base model's
@@ -26,8 +27,9 @@ duration of the call. It replaces what PEFT hands the base model by what each ex
 * prefix tuning (a cache holding the V prefix entries): ``position_ids`` ``V + packed positions`` and an additive 4D
   mask ``[queries, V + length]`` in which every token sees the whole prefix and the earlier tokens of its example.
 
-Every token of a packed example then gets the logits of that example run alone with the adapter (1e-7 on the tiny
-Llama), whatever peft did with the position ids. The labels are untouched (prompt/p-tuning prepend -100 for the
+Every token of a packed example then gets the logits of that example run alone with the adapter (1.8e-7 on the tiny
+Llama), whatever peft did with the position ids, and the packed loss and gradients are the sums over the examples
+alone. The labels are untouched (prompt/p-tuning prepend -100 for the
 virtual tokens, as before).
 
 Applies to peft >=0.7.0 (read: the same forward in 0.7.1, 0.10.0, 0.13.2, 0.15.2-0.21.2; unfixed) with transformers
@@ -66,7 +68,8 @@ SPEC = ShimSpec(
     requires={"peft": ">=0.7.0", "transformers": ">=4.53"},
     fixed_in={},
     refs=(
-        "https://github.com/huggingface/peft/issues/2474",
+        "https://github.com/huggingface/peft/pull/3336",
+        "https://github.com/huggingface/peft/issues/54",
         "https://github.com/huggingface/transformers/pull/39194",
     ),
     targets=(
