@@ -38,6 +38,11 @@ family by family and are not covered). Left alone, bit-identical: LoRA and every
 example (no restart), calls with a cache of the caller's (generation), flash attention (the bug remains there: no
 mask can carry "attend to the virtual tokens" into the varlen kernel; the shim logs once), 3D position ids (mRoPE),
 inputs it cannot read (the call goes to PEFT unchanged), and calls under ``torch.compile`` tracing.
+
+Cost: a prompt-learning forward that is given ``position_ids`` reads one value on the host (do they restart
+within a row?): the decision cannot be made otherwise without acting on unpacked rows too, which would leave them
+numerically different from upstream. Every other adapter reads nothing; the mask handed to the model is marked for
+``custom_4d_mask_format``, which lets it through without reading it.
 """
 
 from __future__ import annotations
@@ -139,30 +144,37 @@ def prompt_mask(segment_ids, real, virtual: int, prefix_only: bool):
     return torch.cat([torch.cat([among, to_tokens], dim=-1), tokens], dim=2)
 
 
-def _hook_for(kind, virtual, position_ids, segment_ids, real):
+def _packed_inputs(instance, kind, virtual, position_ids, segment_ids, real, kwargs):
+    """``(position_ids, additive 4D mask)`` the base model gets in place of what PEFT hands it."""
     import torch
 
-    prefix = kind in PREFIX_TYPES
+    embeds = kwargs.get("inputs_embeds")
+    dtype = embeds.dtype if torch.is_tensor(embeds) else instance.get_base_model().get_input_embeddings().weight.dtype
+    if kind in PREFIX_TYPES:
+        positions = position_ids + virtual
+    else:
+        head = torch.arange(virtual, device=position_ids.device, dtype=position_ids.dtype)
+        positions = torch.cat([head.expand(position_ids.shape[0], -1), position_ids + virtual], dim=-1)
+    allowed = prompt_mask(segment_ids, real, virtual, prefix_only=kind in PREFIX_TYPES)
+    return positions, _packing.to_form(allowed, _packing.ADDITIVE, dtype)
+
+
+def _hook_for(kind, virtual, length, positions, mask):
+    """A forward pre-hook on the base model that swaps in ``positions`` and ``mask`` when the call is the one PEFT
+    builds for this row (prompt/p-tuning: ``inputs_embeds`` of virtual + length; prefix: a cache of the prefix)."""
+    import torch
 
     def pre_hook(module, args, kwargs):
         if args:
             return None  # PEFT passes everything by keyword: a call we do not know
-        embeds = kwargs.get("inputs_embeds")
-        length = position_ids.shape[-1]
-        if prefix:
-            cache = kwargs.get("past_key_values")
-            if cache is None:
+        if kind in PREFIX_TYPES:
+            if kwargs.get("past_key_values") is None:
                 return None
-            dtype = _packing.embed_dtype(module, kwargs)
-            positions = position_ids + virtual
         else:
+            embeds = kwargs.get("inputs_embeds")
             if not torch.is_tensor(embeds) or embeds.shape[1] != virtual + length:
                 return None
-            dtype = embeds.dtype
-            head = torch.arange(virtual, device=position_ids.device, dtype=position_ids.dtype)
-            positions = torch.cat([head.expand(position_ids.shape[0], -1), position_ids + virtual], dim=-1)
-        allowed = prompt_mask(segment_ids, real, virtual, prefix_only=prefix)
-        kwargs["attention_mask"] = _packing.to_form(allowed, _packing.ADDITIVE, dtype)
+        kwargs["attention_mask"] = mask
         kwargs["position_ids"] = positions
         acted(SPEC.id, "packed prompt-learning rows given per-example masks")
         return args, kwargs
@@ -175,6 +187,9 @@ def _forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     try:
         found = _packed_call(instance, kwargs)
+        if found is not None and not isinstance(found, str):
+            kind, virtual, position_ids, segment_ids, real = found
+            positions, mask = _packed_inputs(instance, kind, virtual, position_ids, segment_ids, real, kwargs)
     except Exception as exc:  # noqa: BLE001 - a call we cannot read goes to PEFT unchanged
         log.debug("peft_prompt_learning_packing left a call alone: %s", exc)
         return wrapped(*args, **kwargs)
@@ -185,10 +200,12 @@ def _forward(wrapped, instance, args, kwargs):
         warn_once(_WARNED, name, lambda: log.warning(
             "peft_prompt_learning_packing left a packed prompt-learning batch of %s alone: %s", name, found))
         return wrapped(*args, **kwargs)
-    base = instance.base_model
-    handle = base.register_forward_pre_hook(_hook_for(*found), with_kwargs=True)
+    handle = instance.base_model.register_forward_pre_hook(
+        _hook_for(kind, virtual, position_ids.shape[-1], positions, mask), with_kwargs=True)
     try:
-        return wrapped(*args, **kwargs)
+        # the mask is built in the form every decoder of this era reads: custom_4d_mask_format lets it through
+        with _packing.handing_down(mask):
+            return wrapped(*args, **kwargs)
     finally:
         handle.remove()
 
