@@ -86,7 +86,12 @@ def _getattr_wrapped(wrapped, instance, args, kwargs):
 def install(patcher, options) -> None:
     import sys
 
+    from ..spec import TargetMissing
+
     wrapper = sys.modules["peft.utils.other"].TrainableTokensWrapper
+    for name in ("_hasattr_wrapped", "_getattr_wrapped"):
+        if name not in vars(wrapper):  # inherited only: the wrapper no longer answers `weight` itself
+            raise TargetMissing(f"peft.utils.other.TrainableTokensWrapper.{name} is not defined on the class")
     patcher.wrap(wrapper, "_hasattr_wrapped", _hasattr_wrapped)
     patcher.wrap(wrapper, "_getattr_wrapped", _getattr_wrapped)
 
