@@ -240,6 +240,14 @@ def sft_first_step(model, rows, batch_size: int, accumulation: int, smoothing: f
 
     from .. import tiny
 
+    from packaging.version import Version
+
+    from ..versions import installed_version
+
+    version = Version(installed_version("trl") or "0")
+    if version < Version(TRL_SFT_SMOOTHS_ITSELF):
+        raise ProbeUnsupported(f"TRL {version}'s SFTTrainer smooths inside Trainer.compute_loss: the Trainer "
+                               "scenario is the same code")
     try:
         from datasets import Dataset
         from transformers import TrainerCallback
@@ -286,16 +294,9 @@ def probe(smoothing: float = 0.1, trainer: str = "trainer") -> Observation:
     import transformers
     from packaging.version import Version
 
-    from ..versions import installed_version
-
     if Version("4.46") <= Version(transformers.__version__) < Version("4.48.1"):
         raise ProbeUnsupported("4.46.0-4.48.0 scale gradient accumulation wrongly for every model (the advisories "
                                "ga_loss_scaling_4_46 to ga_loss_scaling_4_48_0): this probe cannot single out the bug")
-    if trainer == "sft":
-        version = Version(installed_version("trl") or "0")
-        if version < Version(TRL_SFT_SMOOTHS_ITSELF):
-            raise ProbeUnsupported(f"TRL {version}'s SFTTrainer smooths inside Trainer.compute_loss: the Trainer "
-                                   "scenario is the same code")
     loss_1, grads_1 = first_step(4, 1, smoothing, trainer)
     loss_2, grads_2 = first_step(2, 2, smoothing, trainer)
     norm_1, norm_2 = float(grads_1.norm()), float(grads_2.norm())

@@ -227,9 +227,15 @@ def probe(model: str = "recurrent_gemma") -> Observation:
     tokenizer = tiny.word_tokenizer(words, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     with tempfile.TemporaryDirectory() as out, tiny.quiet(), _packing.quiet_datasets(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
-                         bf16=False, save_strategy="no", disable_tqdm=True, dataset_num_proc=None, **loss)
-        trainer = SFTTrainer(model=lm, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+        try:
+            args = SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=1, report_to=[], use_cpu=True,
+                             bf16=False, save_strategy="no", disable_tqdm=True, dataset_num_proc=None, **loss)
+        except TypeError as exc:
+            raise ProbeUnsupported(f"this TRL's SFTConfig takes other arguments ({exc})") from None
+        try:
+            trainer = SFTTrainer(model=lm, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+        except (TypeError, ValueError) as exc:
+            raise ProbeUnsupported(f"this TRL's SFTTrainer cannot be set up this way ({exc})") from None
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
         trainer.model.eval()
         with torch.no_grad():

@@ -16,6 +16,14 @@ pytest.importorskip("peft")
 
 SHIM = "peft_prompt_learning_packing"
 probe_module = registry.get(SHIM).module
+
+
+def _in_range():
+    from ftshims import probing
+
+    affected, reason = probing.in_affected_range(SHIM)
+    if not affected:
+        pytest.skip(f"{SHIM} not active on this stack: {reason}")
 ACTION = "packed prompt-learning rows given per-example masks"
 PROMPT_LEARNING = ("prompt_tuning", "p_tuning", "prefix_tuning")
 
@@ -52,6 +60,7 @@ def _logits_and_grads(model, call):
 def test_rows_of_one_example_are_bit_identical(method):
     """Unpacked rows (position ids 0..n-1, a right-padded row): the shim does not act, outputs and gradients are
     bit-identical."""
+    _in_range()
     import torch
 
     model = probe_module.adapted(method).train()
@@ -76,6 +85,7 @@ def test_rows_of_one_example_are_bit_identical(method):
 def test_packed_loss_and_gradient_are_the_examples_alone(method):
     """Training: the summed token loss of the packed row and its gradient (the virtual tokens' included) equal the
     sums over the examples run alone (labels as DataCollatorWithFlattening gives them: -100 at each example start)."""
+    _in_range()
     import torch
 
     examples = _packing.example_pair()
@@ -114,6 +124,7 @@ def test_composes_with_every_default_shim():
 def test_unreadable_position_ids_go_to_peft_unchanged():
     """Position ids as a list (PEFT drops them for prompt tuning): the shim cannot read them, does not act, and the
     result is PEFT's, bit for bit."""
+    _in_range()
     import torch
 
     model = probe_module.adapted("prompt_tuning")

@@ -13,6 +13,14 @@ SHIM = "trl_fused_head_trainable_tokens"
 probe_module = registry.get(SHIM).module
 
 
+def _in_range():
+    from ftshims import probing
+
+    affected, reason = probing.in_affected_range(SHIM)
+    if not affected:
+        pytest.skip(f"{SHIM} not active on this stack: {reason}")
+
+
 @pytest.mark.parametrize("case", ["lm_head", "tied_embedding"])
 def test_sft_trains_a_trainable_tokens_head_with_the_models_loss(evidence, case):
     assert_bug_and_fix(SHIM, evidence, f"tiny Llama, SFTTrainer, LoRA + trainable_token_indices on {case}", case=case)
@@ -44,6 +52,7 @@ def _wrapped_model(tied: bool):
 def test_model_forward_and_other_attributes_are_unchanged(tied):
     """Without TRL's head nothing reads the bias: the PeftModel's own loss and gradients are bit-identical, and any
     other attribute the wrapper does not hold still raises AttributeError."""
+    _in_range()
     import torch
 
     from ftshims import tiny
@@ -77,6 +86,7 @@ def test_model_forward_and_other_attributes_are_unchanged(tied):
 def test_the_bias_is_the_one_the_wrapper_forward_uses():
     """Unmerged: F.linear(x, merged weight) without a bias, so h @ weight.T equals the head's output; merged: the base
     layer runs, with its bias."""
+    _in_range()
     import torch
 
     model = _wrapped_model(tied=False)
