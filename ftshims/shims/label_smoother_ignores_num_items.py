@@ -277,6 +277,8 @@ def sft_first_step(model, rows, batch_size: int, accumulation: int, smoothing: f
                              callbacks=[Grab()])
         except (TypeError, ValueError) as exc:
             raise ProbeUnsupported(f"this TRL's SFTTrainer cannot be set up this way ({exc})") from None
+        for name in ("PrinterCallback", "ProgressCallback"):  # the logs a Trainer prints on stdout
+            sft.remove_callback(getattr(sys.modules["transformers.trainer_callback"], name))
         gc.freeze()  # as tiny.trainer_first_step: accelerate's free_memory() gc.collect() is slow otherwise
         try:
             sft.train()

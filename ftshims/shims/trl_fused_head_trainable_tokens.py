@@ -105,6 +105,7 @@ CASES = ("lm_head", "tied_embedding", "modules_to_save")
 def sft_trainer(case: str = "lm_head"):
     """A TRL ``SFTTrainer`` (its default loss) on a tiny Llama with LoRA on q_proj plus ``case``: trainable token rows
     5-7 of the untied ``lm_head``, of the tied embedding, or a full ``modules_to_save`` copy of the head (control)."""
+    import sys
     import tempfile
     import warnings
 
@@ -145,10 +146,13 @@ def sft_trainer(case: str = "lm_head"):
             args = SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
                              report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
                              logging_steps=1, seed=0, dataset_num_proc=None, **loss)
-            return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), peft_config=config,
-                              processing_class=tokenizer)
+            trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), peft_config=config,
+                                 processing_class=tokenizer)
         except (AttributeError, TypeError, ValueError) as exc:  # e.g. peft 0.17 cannot wrap a Linear lm_head
             raise ProbeUnsupported(f"this PEFT/TRL cannot set up {case} ({type(exc).__name__}: {exc})") from None
+    for name in ("PrinterCallback", "ProgressCallback"):  # the logs a Trainer prints on stdout
+        trainer.remove_callback(getattr(sys.modules["transformers.trainer_callback"], name))
+    return trainer
 
 
 def probe(case: str = "lm_head") -> Observation:
