@@ -39,7 +39,7 @@ from .model import ModelInfo, build_model, inspect_model
 
 __all__ = ["Inputs", "run", "RULES"]
 
-VERSION_PACKAGES = ("torch", "transformers", "peft", "trl", "deepspeed", "accelerate")
+VERSION_PACKAGES = ("torch", "transformers", "peft", "trl", "deepspeed", "accelerate", "llamafactory")
 
 
 @dataclass

@@ -820,6 +820,118 @@ def check_seqcls_pad(ctx) -> None:
     )
 
 
+# -- weights' precision ---------------------------------------------------------------------------------
+
+HALF_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+# Keys only TRL's configs (SFTConfig, the TRL CLI's ModelConfig) use: TRL loads a model it is given by name in float32.
+TRL_MARKERS = ("model_init_kwargs", "dataset_text_field", "packing", "padding_free", "completion_only_loss",
+               "assistant_only_loss", "dataset_kwargs", "dataset_num_proc", "use_peft", "model_name_or_path",
+               "max_seq_length", "packing_strategy")
+
+
+def _dtype_name(value: Any) -> str:
+    return str(value).strip().lower().replace("torch.", "")
+
+
+def _checkpoint_dtype(config: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The dtype config.json records for the weights (``dtype`` on 5.x saves, ``torch_dtype`` before), as a name."""
+    if not config:
+        return None
+    for source in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else None):
+        if source:
+            for key in ("dtype", "torch_dtype"):
+                if source.get(key):
+                    return _dtype_name(source[key])
+    return None
+
+
+@_with_training_config
+def check_half_weights(ctx, train) -> None:
+    """transformers 5.0 made ``dtype="auto"`` the default of ``from_pretrained`` (PR #42805): a checkpoint stored in
+    bf16 loads in bf16, and a full fine-tune then updates bf16 weights directly; AdamW steps below half an ulp round
+    away (one step at lr 1e-5 on a tiny Llama: 85.5% of the weights unchanged on 5.x, 5.6% on 4.57)."""
+    if train.is_lf or train.uses_peft() or ctx.adapter is not None or ctx.ds is not None:
+        return  # LLaMA-Factory upcasts trainable params; adapters train fp32 LoRA weights; DeepSpeed keeps fp32 masters
+    init = train.model_init_kwargs()
+    explicit = next(((where, value) for where, value in (
+        ("model_init_kwargs.dtype", init.get("dtype")), ("model_init_kwargs.torch_dtype", init.get("torch_dtype")),
+        ("dtype", train.get("dtype")), ("torch_dtype", train.get("torch_dtype"))) if value is not None), None)
+    stored = HALF_DTYPES.get(_checkpoint_dtype(ctx.model_config) or "")
+    tv = ctx.versions.get("transformers")
+    trl = any(train.given(key) for key in TRL_MARKERS)
+    if explicit is not None:
+        key, value = explicit
+        name = _dtype_name(value)
+        if name in HALF_DTYPES:
+            loads, severity = f"`{key}: {value}` loads the weights in {HALF_DTYPES[name]}", WARNING
+        elif name == "auto" and stored:
+            loads, severity = f"`{key}: auto` loads the checkpoint's {stored} (config.json)", WARNING
+        else:
+            return
+    else:
+        if not stored or ctx.version_lt("transformers", "5.0.0") or tv is None:
+            return
+        key = "model_init_kwargs" if trl else None
+        loads = (f"transformers {tv}'s from_pretrained() defaults to dtype=\"auto\" and loads this checkpoint's "
+                 f"{stored} (config.json) when it is given no dtype")
+        # TRL loads a model it is given by name in float32; only a model object loaded without dtype is affected
+        severity = INFO if trl else WARNING
+        if trl:
+            loads += " (TRL itself loads a model given by name in float32: this applies if you pass a model object)"
+    ctx.add(
+        finding(
+            "full-finetune-half-weights",
+            f"full fine-tune in half precision: {loads}, and nothing keeps a float32 master copy (bf16=True only "
+            "changes the compute dtype), so optimizer updates smaller than half a bf16 step are lost "
+            "(one AdamW step at lr 1e-5: 85.5% of a tiny Llama's weights unchanged).",
+            "load the model with dtype=torch.float32 for full fine-tuning (keep bf16: true for bf16 compute), or "
+            "train with an optimizer that keeps fp32 master weights (DeepSpeed)",
+            severity=severity,
+            file=train.path,
+            key=key,
+        )
+    )
+
+
+# -- LLaMA-Factory ------------------------------------------------------------------------------------
+
+LF_POSITION_IDS_UNPADDED = ">=0.9.3,<=0.9.5"  # the releases read and run (the collator from their wheels)
+
+
+@_with_training_config
+def check_lf_packing_cutoff(ctx, train) -> None:
+    """LLaMA-Factory subtracts 1 from cutoff_len when packing and pads every packed row back to cutoff_len with
+    per-example position_ids; its SFT collator (pad_to_multiple_of=8) pads input_ids/attention_mask/labels but not
+    position_ids (not a model input name), so a cutoff_len that is not a multiple of 8 fails at the first forward."""
+    if not train.is_lf or str(train.get("stage", lf.DEFAULTS["stage"])) != "sft":
+        return
+    if not (as_bool(train.get("packing")) or as_bool(train.get("neat_packing"))):
+        return
+    from ..versions import in_range
+
+    installed = ctx.versions.get("llamafactory")
+    if installed is not None and not in_range(installed, LF_POSITION_IDS_UNPADDED):
+        return  # a release not read (older) or after 0.9.5
+    length, key, explicit = train.seq_len()
+    if not length or length % 8 == 0:
+        return
+    padded = -(-length // 8) * 8
+    source = f"`{key}: {length}`" + ("" if explicit else " (LLaMA-Factory's default)")
+    ctx.add(
+        finding(
+            "llamafactory-packing-cutoff-len",
+            f"packing with {source}: LLaMA-Factory {installed or lf.VERSION} packs rows of exactly {length} tokens with "
+            f"per-example position_ids, and its SFT collator pads input_ids to {padded} (pad_to_multiple_of=8) but not "
+            f"position_ids, so the first forward fails: RuntimeError: The size of tensor a ({padded}) must match the "
+            f"size of tensor b ({length}) in apply_rotary_pos_emb, with any attention implementation "
+            "(hiyouga/LlamaFactory#10736; PR #10737 is in no release up to 0.9.5).",
+            f"set `cutoff_len` to a multiple of 8 ({padded - 8 if padded - 8 > 0 else padded} or {padded})",
+            file=train.path,
+            key=key,
+        )
+    )
+
+
 CHECKS = (
     check_train_keys,
     check_adapter_keys,
@@ -832,4 +944,6 @@ CHECKS = (
     check_gc_peft,
     check_label_smoothing,
     check_seqcls_pad,
+    check_half_weights,
+    check_lf_packing_cutoff,
 )

@@ -41,4 +41,7 @@ SHIM_IDS = (
     "moe_router_probs_resoftmaxed",
     "moe_router_logits_not_recorded",
     "resize_embeddings_frozen_under_zero3",
+    "peft_prompt_learning_packing",
+    "trl_fused_head_trainable_tokens",
+    "trl_fused_head_logit_transforms",
 )

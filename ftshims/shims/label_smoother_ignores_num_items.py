@@ -17,6 +17,12 @@ smoother in a thread-local; a wrapper on ``LabelSmoother.__call__`` then compute
 expression, copied from 5.15.0's ``trainer_pt_utils.py``). Everything else calls the installed smoother unchanged:
 no count (models without loss kwargs, whose loss the Trainer divides by the accumulation steps itself), a subclass of
 ``LabelSmoother``, calls outside ``compute_loss`` and nested trainers (the mark is per smoother and restored).
+TRL's ``SFTTrainer`` from 1.15.0 (its fused LM head gives no full logits) calls ``self.label_smoother`` in its own
+``compute_loss``, which never reaches ``Trainer.compute_loss``, and passes the count only from transformers 5.15.0: the
+same wrapper marks the count for ``SFTTrainer.compute_loss`` (installed when ``trl.trainer.sft_trainer`` is imported,
+TRL >= 1.15.0 only; older SFTTrainers smooth inside ``Trainer.compute_loss``). SFT, 4 rows on a tiny Llama, lr 0,
+TRL 1.16.0 + transformers 4.57.6: loss 4.170 / 8.341 / 16.68 at 1 / 2 / 4 accumulation steps without it, 4.170 at
+all three with it and ``num_items_in_batch_overcount`` (transformers 5.25.0 gives 4.170 everywhere).
 With ``label_smoothing_peft_unshifted`` (prefix-tuned PEFT models) the two compose: this shim comes first in
 SHIM_IDS, so its smoother layer is the inner one and sees the shifted, padded labels that shim passes on; applied the
 other way round (two ``apply()`` calls), this shim leaves such a call to the other one.
@@ -38,6 +44,7 @@ import threading
 
 from .._util import acted
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
+from . import _packing
 
 SPEC = ShimSpec(
     id="label_smoother_ignores_num_items",
@@ -156,18 +163,54 @@ def _peft_shim_will_shift(smoother) -> bool:
     return state is not None and getattr(state, "smoother", None) is smoother
 
 
+# TRL's SFTTrainer calls its label smoother itself, without the count below transformers 5.15.0, from this release.
+TRL_SFT_SMOOTHS_ITSELF = "1.15.0"
+COMPUTE_LOSS_PARAMS = ("model", "inputs", "return_outputs", "num_items_in_batch")
+
+
+def _sft_part(patcher):
+    """Mark the count for ``trl.SFTTrainer.compute_loss`` too (TRL >= 1.15.0, which no longer calls
+    ``Trainer.compute_loss`` on its label-smoothing path); on older TRL the Trainer's wrapper already sees it."""
+    import inspect
+
+    from packaging.version import InvalidVersion, Version
+
+    from ..spec import TargetMissing
+    from ..versions import installed_version
+
+    def install_part(module):
+        try:
+            version = Version(installed_version("trl") or "0")
+        except InvalidVersion:
+            raise TargetMissing("trl's version is not PEP 440: its SFTTrainer is left alone") from None
+        if version < Version(TRL_SFT_SMOOTHS_ITSELF):
+            return  # SFTTrainer's label smoothing runs inside Trainer.compute_loss, wrapped above
+        cls = vars(module).get("SFTTrainer")
+        method = vars(cls).get("compute_loss") if isinstance(cls, type) else None
+        if not inspect.isfunction(method):
+            raise TargetMissing("trl.trainer.sft_trainer.SFTTrainer.compute_loss is missing")
+        params = tuple(inspect.signature(method).parameters)[1:5]
+        if params != COMPUTE_LOSS_PARAMS:
+            raise TargetMissing(f"SFTTrainer.compute_loss{params}: not {COMPUTE_LOSS_PARAMS}")
+        patcher.wrap(cls, "compute_loss", _compute_loss)
+
+    return install_part
+
+
 def install(patcher, options) -> None:
     trainer = sys.modules["transformers.trainer"]
     pt_utils = sys.modules["transformers.trainer_pt_utils"]
     patcher.wrap(trainer.Trainer, "compute_loss", _compute_loss)
     patcher.wrap(pt_utils.LabelSmoother, "__call__", _smoother_call)
+    patcher.when_imported("trl.trainer.sft_trainer", _sft_part(patcher))
 
 
 # ---------------------------------------------------------------------------
 # Reproduction
 
-def first_step(batch_size: int, accumulation: int, smoothing: float = 0.1):
-    """The logged loss and the accumulated gradients of one Trainer step (learning rate 0) on a tiny Llama."""
+def first_step(batch_size: int, accumulation: int, smoothing: float = 0.1, trainer: str = "trainer"):
+    """The logged loss and the accumulated gradients of one Trainer step (learning rate 0) on a tiny Llama;
+    ``trainer="sft"``: of one TRL ``SFTTrainer`` step on the same rows."""
     import torch
 
     from .. import tiny
@@ -179,22 +222,87 @@ def first_step(batch_size: int, accumulation: int, smoothing: float = 0.1):
     for _ in range(4):
         ids = torch.randint(5, 128, (8,), generator=generator).tolist()
         rows.append({"input_ids": ids, "labels": [-100] + ids[1:]})  # position 0 masked: every count agrees
+    if trainer == "sft":
+        return sft_first_step(model, [{"input_ids": row["input_ids"]} for row in rows], batch_size, accumulation,
+                              smoothing)
     loss, grads, _ = tiny.trainer_first_step(model, rows, batch_size, accumulation, label_smoothing_factor=smoothing)
     return loss, grads
 
 
-def probe(smoothing: float = 0.1) -> Observation:
-    """The same 4 rows as one batch and as 2 x 2 accumulated, with label smoothing: same loss and gradient norm?"""
+def sft_first_step(model, rows, batch_size: int, accumulation: int, smoothing: float):
+    """One TRL ``SFTTrainer`` optimizer step (learning rate 0, no clipping) on pre-tokenized ``rows``: the loss it
+    logs and the accumulated gradients. TRL builds the labels (every token; position 0 is never scored)."""
+    import gc
+    import tempfile
+    import warnings
+
+    import torch
+
+    from .. import tiny
+
+    from packaging.version import Version
+
+    from ..versions import installed_version
+
+    version = Version(installed_version("trl") or "0")
+    if version < Version(TRL_SFT_SMOOTHS_ITSELF):
+        raise ProbeUnsupported(f"TRL {version}'s SFTTrainer smooths inside Trainer.compute_loss: the Trainer "
+                               "scenario is the same code")
+    try:
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import SFTConfig, SFTTrainer
+    except (ImportError, RuntimeError) as exc:  # TRL's lazy module turns a failed import into a RuntimeError
+        raise ProbeUnsupported(f"TRL's SFTTrainer cannot be imported here ({exc})") from None
+    logged = {}
+
+    class Grab(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs and "loss" not in logged:
+                logged.update(logs)
+
+    accumulated = {}
+    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: accumulated.__setitem__(i, p.grad.clone()))
+               for i, p in enumerate(model.parameters()) if p.requires_grad]
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, 128)]
+    tokenizer = tiny.word_tokenizer(words, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    with tempfile.TemporaryDirectory() as out, tiny.quiet(), _packing.quiet_datasets(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            args = SFTConfig(output_dir=out, per_device_train_batch_size=batch_size,
+                             gradient_accumulation_steps=accumulation, learning_rate=0.0, max_steps=1, logging_steps=1,
+                             report_to=[], max_grad_norm=1e9, seed=0, save_strategy="no", disable_tqdm=True,
+                             use_cpu=True, bf16=False, label_smoothing_factor=smoothing, dataset_num_proc=None)
+            sft = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                             callbacks=[Grab()])
+        except (TypeError, ValueError) as exc:
+            raise ProbeUnsupported(f"this TRL's SFTTrainer cannot be set up this way ({exc})") from None
+        for name in ("PrinterCallback", "ProgressCallback"):  # the logs a Trainer prints on stdout
+            sft.remove_callback(getattr(sys.modules["transformers.trainer_callback"], name))
+        gc.freeze()  # as tiny.trainer_first_step: accelerate's free_memory() gc.collect() is slow otherwise
+        try:
+            sft.train()
+        finally:
+            gc.unfreeze()
+            for handle in handles:
+                handle.remove()
+    grads = torch.cat([accumulated[i].reshape(-1) for i in sorted(accumulated)])
+    return float(logged["loss"]), grads
+
+
+def probe(smoothing: float = 0.1, trainer: str = "trainer") -> Observation:
+    """The same 4 rows as one batch and as 2 x 2 accumulated, with label smoothing: same loss and gradient norm?
+    ``trainer="sft"``: through TRL's ``SFTTrainer`` (>= 1.15.0 calls the smoother itself)."""
     import transformers
     from packaging.version import Version
 
     if Version("4.46") <= Version(transformers.__version__) < Version("4.48.1"):
         raise ProbeUnsupported("4.46.0-4.48.0 scale gradient accumulation wrongly for every model (the advisories "
                                "ga_loss_scaling_4_46 to ga_loss_scaling_4_48_0): this probe cannot single out the bug")
-    loss_1, grads_1 = first_step(4, 1, smoothing)
-    loss_2, grads_2 = first_step(2, 2, smoothing)
+    loss_1, grads_1 = first_step(4, 1, smoothing, trainer)
+    loss_2, grads_2 = first_step(2, 2, smoothing, trainer)
     norm_1, norm_2 = float(grads_1.norm()), float(grads_2.norm())
-    detail = (f"label_smoothing_factor={smoothing}: loss {loss_1:.4f} -> {loss_2:.4f}, grad norm {norm_1:.4f} -> "
+    detail = (f"{'SFTTrainer' if trainer == 'sft' else 'Trainer'}, label_smoothing_factor={smoothing}: loss {loss_1:.4f} -> {loss_2:.4f}, grad norm {norm_1:.4f} -> "
               f"{norm_2:.4f} (4 x 1 -> 2 x 2 accumulated)")
     bug = abs(loss_2 - loss_1) > 1e-4 * max(1.0, abs(loss_1)) or abs(norm_2 - norm_1) > 1e-4 * max(1.0, norm_1)
     return Observation(bug, detail)

@@ -462,6 +462,33 @@ CASES = {
         ({"transformers": "4.57.6"}, None, False),
         ({"transformers": N}, None, False),
     ],
+    "v5_default_dtype_half_weights_full_finetune": [
+        ({"transformers": "5.0.0"}, None, True),  # dtype="auto" becomes the default (PR #42805)
+        ({"transformers": "5.25.0"}, None, True),
+        ({"transformers": "5.0.0rc1"}, None, False),  # pre-release of 5.0.0 sorts below it
+        ({"transformers": "4.57.6"}, None, False),  # loads float32 unless asked
+        ({"transformers": N}, None, False),
+    ],
+    "accelerate_partial_accumulation_window_underweighted": [
+        ({"accelerate": "0.11.0"}, None, True),  # accumulate() and the division appear
+        ({"accelerate": "1.16.0"}, None, True),  # by design, unchanged
+        ({"accelerate": "0.10.0"}, None, False),
+        ({"accelerate": N}, None, False),
+    ],
+    "trl_fused_lm_head_unsupported_logits": [
+        ({"trl": "1.4.0"}, None, True),  # SFT's chunked_nll head
+        ({"trl": "1.16.0"}, None, True),
+        ({"trl": "1.2.0"}, None, False),
+        ({"trl": "0.24.0"}, None, False),
+        ({"trl": N}, None, False),
+    ],
+    "llamafactory_packing_position_ids_not_padded": [
+        ({"llamafactory": "0.9.5"}, None, True),
+        ({"llamafactory": "0.9.3"}, None, True),
+        ({"llamafactory": "0.9.2"}, None, False),  # not read
+        ({"llamafactory": "0.9.6"}, None, False),
+        ({"llamafactory": N}, None, False),
+    ],
 }
 
 
@@ -787,7 +814,8 @@ def test_the_pinned_stacks_see_the_expected_advisories():
                    "trl_grpo_dapo_num_items_counts_masked_tokens", "trl_grpo_none_reward_in_baseline",
                    "trl_prompt_not_prefix_completion_shift", "moe_vlm_config_output_router_logits_ignored"}),
         "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"},
-                 {"gemma3_images_causal_without_token_type_ids"}),
+                 {"gemma3_images_causal_without_token_type_ids", "v5_default_dtype_half_weights_full_finetune",
+                  "trl_fused_lm_head_unsupported_logits"}),
     }
     for name, (versions, expected) in stacks.items():
         assert {a.id for a in advisories.matching(versions)} == expected, name

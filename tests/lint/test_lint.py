@@ -74,6 +74,8 @@ CASES = [
     ("ds-fp16-bf16-both", dict(deepspeed=p("ds", "both_precisions.json")), dict(deepspeed=p("ds", "ok_z3.json")), "error"),
     ("ds-train-mismatch", dict(deepspeed=p("ds", "mismatch.json"), train_config=p("train", "hf_mismatch.json")), dict(deepspeed=p("ds", "ok_z3.json"), train_config=p("train", "hf_mismatch.json")), "error"),
     ("packing-contamination", dict(train_config=p("train", "lf_packing_fa2.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "warning"),
+    ("full-finetune-half-weights", dict(model=LLAMA, train_config=p("train", "trl_full_bf16.json")), dict(model=LLAMA, train_config=p("train", "hf_ok.json")), "warning"),
+    ("llamafactory-packing-cutoff-len", dict(train_config=p("train", "lf_packing_cutoff_odd.yaml")), dict(train_config=p("train", "lf_ok.yaml")), "error"),
 ]
 
 
@@ -546,3 +548,59 @@ def test_rules_and_finding_keys_are_documented():
         assert f"| `{key}` |" in doc, key
     for key in ("model", "adapter", "tokenizer", "deepspeed", "train_config", "probe_timeout", "probe_jobs"):
         assert f"| `{key}` |" in doc, key
+
+
+# -- weights' precision (transformers 5's dtype="auto" default) ---------------------------------------------
+
+BF16_MODEL = p("models", "llama_bf16")
+
+
+def _train(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("transformers,severity", [("5.0.0", "warning"), ("5.25.0", "warning"), ("4.57.6", None)])
+def test_half_weights_by_default_from_transformers_5(monkeypatch, transformers, severity):
+    """No dtype anywhere, a bf16 checkpoint, a plain TrainingArguments config: from_pretrained() loads bf16 from 5.0."""
+    with_versions(monkeypatch, transformers=transformers)
+    hits = rules_of(run(model=BF16_MODEL, train_config=p("train", "hf_ok.json")), "full-finetune-half-weights")
+    assert [h["severity"] for h in hits] == ([severity] if severity else []), hits
+    if severity:
+        assert "bfloat16" in hits[0]["message"] and "dtype=torch.float32" in hits[0]["fix"]
+
+
+def test_half_weights_is_info_for_trl_and_silent_with_adapters_lf_or_float32(monkeypatch, tmp_path):
+    with_versions(monkeypatch, transformers="5.25.0")
+    trl = rules_of(run(model=BF16_MODEL, train_config=p("train", "hf_packing.json")), "full-finetune-half-weights")
+    assert [h["severity"] for h in trl] == ["info"] and "model object" in trl[0]["message"]
+    silent = [
+        dict(model=BF16_MODEL, adapter=p("adapters", "ok.json"), train_config=p("train", "hf_ok.json")),  # LoRA
+        dict(model=BF16_MODEL, train_config=p("train", "lf_ok.yaml")),  # LLaMA-Factory upcasts trainable params
+        dict(model=LLAMA, train_config=p("train", "hf_ok.json")),  # a float32 checkpoint
+        dict(model=BF16_MODEL, train_config=_train(tmp_path, "fp32.json", {"output_dir": "o",
+                                                   "model_init_kwargs": {"dtype": "float32"}})),
+    ]
+    for inputs in silent:
+        assert not rules_of(run(**inputs), "full-finetune-half-weights"), inputs
+
+
+def test_explicit_auto_or_half_dtype_fires_on_every_version(monkeypatch, tmp_path):
+    with_versions(monkeypatch, transformers="4.57.6")
+    auto = _train(tmp_path, "auto.json", {"output_dir": "o", "model_init_kwargs": {"dtype": "auto"}})
+    hits = rules_of(run(model=BF16_MODEL, train_config=auto), "full-finetune-half-weights")
+    assert [h["severity"] for h in hits] == ["warning"] and hits[0]["key"] == "model_init_kwargs.dtype"
+    assert not rules_of(run(model=LLAMA, train_config=auto), "full-finetune-half-weights")  # auto on a fp32 checkpoint
+    cli_half = _train(tmp_path, "cli.json", {"output_dir": "o", "model_name_or_path": "x", "dtype": "bfloat16"})
+    assert rules_of(run(train_config=cli_half), "full-finetune-half-weights")  # no model config needed
+
+
+@pytest.mark.parametrize("installed,fires", [(None, True), ("0.9.5", True), ("0.9.3", True), ("0.9.6", False),
+                                             ("0.9.2", False)])
+def test_llamafactory_packing_cutoff_len_by_version(monkeypatch, installed, fires):
+    with_versions(monkeypatch, llamafactory=installed)
+    hits = rules_of(run(train_config=p("train", "lf_packing_cutoff_odd.yaml")), "llamafactory-packing-cutoff-len")
+    assert bool(hits) == fires
+    if fires:
+        assert "(1008)" in hits[0]["message"] and "1000 or 1008" in hits[0]["fix"]

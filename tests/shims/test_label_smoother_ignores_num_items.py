@@ -24,6 +24,34 @@ def test_without_label_smoothing_it_is_healthy_everywhere(evidence):
                        expect_bug=False, smoothing=0.0)
 
 
+def test_trl_sft_trainer_accumulated_smoothed_step_equals_the_whole_batch(evidence):
+    """TRL >= 1.15.0's SFTTrainer calls the smoother itself (the Trainer's compute_loss never runs): the count is
+    marked for it too. Out of range (transformers >= 5.15) TRL passes the count itself: healthy."""
+    pytest.importorskip("trl")
+    assert_bug_and_fix(SHIM, evidence, "tiny Llama, TRL SFTTrainer, label_smoothing_factor=0.1, 4 x 1 vs 2 x 2",
+                       trainer="sft")
+
+
+def test_trl_sft_trainer_without_label_smoothing_is_untouched():
+    """SFTTrainer without label smoothing (its fused LM head path): the shim marks nothing, no action, and the
+    step's loss and gradients are bit-identical."""
+    pytest.importorskip("trl")
+    import torch
+
+    _in_range()
+    try:
+        plain = probe_module.first_step(2, 2, smoothing=0.0, trainer="sft")
+    except probe_module.ProbeUnsupported as exc:
+        pytest.skip(str(exc))
+    context = _applied(SHIM)
+    try:
+        shimmed = probe_module.first_step(2, 2, smoothing=0.0, trainer="sft")
+        actions = ftshims.status()[SHIM].actions
+    finally:
+        context.__exit__(None, None, None)
+    assert plain[0] == shimmed[0] and torch.equal(plain[1], shimmed[1]) and actions == {}
+
+
 def _applied(*ids):
     return applied_or_skip(*ids)
 
