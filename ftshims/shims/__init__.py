@@ -41,4 +41,5 @@ SHIM_IDS = (
     "moe_router_probs_resoftmaxed",
     "moe_router_logits_not_recorded",
     "resize_embeddings_frozen_under_zero3",
+    "resume_save_only_model_restarts_lr_schedule",
 )
