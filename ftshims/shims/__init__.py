@@ -42,4 +42,5 @@ SHIM_IDS = (
     "moe_router_logits_not_recorded",
     "resize_embeddings_frozen_under_zero3",
     "resume_save_only_model_restarts_lr_schedule",
+    "resume_iterable_dataset_wrapped_pass_replays",
 )
