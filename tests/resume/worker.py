@@ -281,6 +281,22 @@ def run_case(name, engine, phase, out):
     reset_engine_state()
 
 
+def cpu_rank_locations():
+    """The CPU stand-in's one accommodation: transformers 4.57 loads the optimizer state of a multi-process run with
+    ``map_location=args.device``, which is ``cpu:0`` on a multi-process CPU run, and torch cannot restore that tag
+    ("don't know how to restore data location ... (tagged with cpu:0)"): every DDP/FSDP2 resume on CPU would
+    crash before its first step. On GPUs the device is ``cuda:N``, which torch restores. Here ``cpu:N`` is
+    registered as the CPU (5.25 passes no such map_location). Declared in test_resume.py."""
+    from torch import serialization
+
+    def cpu_rank(obj, location):
+        if isinstance(location, str) and location.startswith("cpu:"):
+            return obj
+        return None
+
+    serialization.register_package(5, lambda obj: None, cpu_rank)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", default="single")
@@ -296,6 +312,8 @@ def main():
         from accelerate import PartialState
 
         PartialState(backend="gloo")
+    if world > 1 and args.engine in ("ddp", "fsdp2"):
+        cpu_rank_locations()
     if not args.without_ftshims:
         import ftshims
 
