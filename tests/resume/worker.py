@@ -15,8 +15,8 @@ case under ftshims' guard).
 
 The worker calls ``ftshims.apply()`` (every default shim: the gate checks the resume users get with ftshims)
 unless ``--without-ftshims``. Engines: ``single`` (one process, CPU), ``ddp`` (2 ranks, gloo), ``fsdp2``
-(the Trainer's FSDP2: ``fully_shard`` on gloo), ``zero2`` / ``zero3`` (DeepSpeed on CPU, the catch of
-docs/deepspeed.md). The global batch is the same on every engine (per-device batch x ranks).
+(a loop over ``fully_shard`` with torch's distributed checkpoint, fsdp2_loop.py: the Trainer cannot run FSDP
+without an accelerator), ``zero2`` / ``zero3`` (DeepSpeed on CPU, the catch of docs/deepspeed.md). The global batch is the same on every engine (per-device batch x ranks).
 """
 
 from __future__ import annotations
@@ -168,10 +168,6 @@ def engine_args(engine, world, out):
         kw.update(use_cpu=True)
     elif engine == "ddp":
         kw.update(use_cpu=True, ddp_backend="gloo")
-    elif engine == "fsdp2":
-        kw.update(use_cpu=True, fsdp="full_shard", fsdp_config={
-            "fsdp_version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "SHARDED_STATE_DICT"})
     elif engine in ("zero2", "zero3"):
         kw.update(deepspeed=ds_config(2 if engine == "zero2" else 3), accelerator_config={"use_configured_state": True})
     else:
@@ -239,6 +235,10 @@ def reset_engine_state():
 
 
 def run_case(name, engine, phase, out):
+    if engine == "fsdp2":
+        from fsdp2_loop import run_case as loop  # the worker's own directory is on sys.path
+
+        return loop(name, phase, out, sys.modules[__name__])
     from transformers import TrainingArguments
 
     from ftshims import tiny
@@ -270,6 +270,9 @@ def run_case(name, engine, phase, out):
         with tiny.quiet():
             trainer.train(resume_from_checkpoint=resume)
         result["global_step"] = trainer.state.global_step
+        result["distributed_type"] = str(trainer.accelerator.distributed_type)
+        result["dtensor"] = any(hasattr(p, "full_tensor") for p in trainer.model.parameters())
+        result["zero3_partitioned"] = any(hasattr(p, "ds_id") for p in trainer.model.parameters())
         weights = final_weights(trainer)
         if rank == 0:
             torch.save(weights, folder / f"{phase}.weights.pt")
@@ -312,7 +315,11 @@ def main():
         from accelerate import PartialState
 
         PartialState(backend="gloo")
-    if world > 1 and args.engine in ("ddp", "fsdp2"):
+    elif args.engine == "fsdp2":  # tests/resume/fsdp2_loop.py: no Trainer (it cannot run FSDP without an accelerator)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    if world > 1 and args.engine == "ddp":
         cpu_rank_locations()
     if not args.without_ftshims:
         import ftshims
