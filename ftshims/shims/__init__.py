@@ -43,4 +43,6 @@ SHIM_IDS = (
     "resize_embeddings_frozen_under_zero3",
     "resume_save_only_model_restarts_lr_schedule",
     "resume_iterable_dataset_wrapped_pass_replays",
+    "trainer_plain_module_shared_params_crash_at_first_save",
+    "trainer_invalid_generation_config_crash_at_first_save",
 )

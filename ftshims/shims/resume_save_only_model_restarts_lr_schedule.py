@@ -71,7 +71,7 @@ def refusal(checkpoint: str):
         f"would go on from step {step} with a fresh optimizer (AdamW's moments reset) and a learning-rate schedule "
         f"restarted at step 0 (warmup again), silently unlike the uninterrupted run. Resume from a checkpoint saved "
         f"without save_only_model, or load these weights with from_pretrained and start a new run; to resume "
-        f"anyway, ftshims.apply(exclude=['{SPEC.id}']) (resume_save_only_model_restarts_lr_schedule)."
+        f"anyway, ftshims.apply(exclude=['{SPEC.id}'])."
     )
 
 

@@ -140,7 +140,8 @@ def case(name, engine, world):
 
         model, k = tiny_model(), 6
         data = _sft_dataset()
-        kw.update(packing=True, max_length=16, dataset_num_proc=None, per_device_train_batch_size=per_device)
+        # bf16=False: SFTConfig defaults to bf16, which DeepSpeed's CPU accelerator refuses (the other engines run fp32)
+        kw.update(packing=True, max_length=16, dataset_num_proc=None, per_device_train_batch_size=per_device, bf16=False)
         cls = SFTTrainer
     elif name == "save_only_model":
         model, data, k = tiny_model(), rows(16), 4
@@ -239,14 +240,41 @@ def run_case(name, engine, phase, out):
         from fsdp2_loop import run_case as loop  # the worker's own directory is on sys.path
 
         return loop(name, phase, out, sys.modules[__name__])
+    world, rank = world_and_rank()
+    folder = Path(out) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    result = {"case": name, "engine": engine, "phase": phase, "world": world, "rank": rank, "calls": [], "lrs": {}}
+    try:
+        trainer, lrs, k = build_trainer(name, engine, phase, folder, world)
+        result.update(k=k, lrs=lrs)
+        resume = str(folder / "run" / f"checkpoint-{k}") if phase == "resume" else None
+        from ftshims import tiny
+
+        try:
+            with tiny.quiet():
+                trainer.train(resume_from_checkpoint=resume)
+        finally:
+            result["calls"] = trainer.calls
+        result["global_step"] = trainer.state.global_step
+        result["distributed_type"] = str(trainer.accelerator.distributed_type)
+        result["dtensor"] = any(hasattr(p, "full_tensor") for p in trainer.model.parameters())
+        result["zero3_partitioned"] = any(hasattr(p, "ds_id") for p in trainer.model.parameters())
+        weights = final_weights(trainer)
+        if rank == 0:
+            torch.save(weights, folder / f"{phase}.weights.pt")
+    except Exception as exc:  # recorded for the test: the guard's refusal, or a failure to explain
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+    (folder / f"{phase}.rank{rank}.json").write_text(json.dumps(result))
+    reset_engine_state()
+
+
+def build_trainer(name, engine, phase, folder, world):
     from transformers import TrainingArguments
 
     from ftshims import tiny
 
-    world, rank = world_and_rank()
     cls, model, data, collator, kw, k = case(name, engine, world)
-    folder = Path(out) / name
-    folder.mkdir(parents=True, exist_ok=True)
     args_kw = engine_args(engine, world, str(folder / ("run" if phase == "full" else "resumed")))
     args_kw.update(kw, save_steps=k)
     if cls.__name__ == "SFTTrainer":
@@ -264,24 +292,7 @@ def run_case(name, engine, phase, out):
     with tiny.quiet():
         trainer = recording(cls)(callbacks=[lr_recorder(lrs)], **trainer_kw)
     trainer.calls = []
-    result = {"case": name, "engine": engine, "phase": phase, "world": world, "rank": rank, "k": k}
-    resume = str(folder / "run" / f"checkpoint-{k}") if phase == "resume" else None
-    try:
-        with tiny.quiet():
-            trainer.train(resume_from_checkpoint=resume)
-        result["global_step"] = trainer.state.global_step
-        result["distributed_type"] = str(trainer.accelerator.distributed_type)
-        result["dtensor"] = any(hasattr(p, "full_tensor") for p in trainer.model.parameters())
-        result["zero3_partitioned"] = any(hasattr(p, "ds_id") for p in trainer.model.parameters())
-        weights = final_weights(trainer)
-        if rank == 0:
-            torch.save(weights, folder / f"{phase}.weights.pt")
-    except Exception as exc:  # recorded for the test: the guard's refusal, or a failure to explain
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()[-3000:]
-    result.update(calls=trainer.calls, lrs=lrs)
-    (folder / f"{phase}.rank{rank}.json").write_text(json.dumps(result))
-    reset_engine_state()
+    return trainer, lrs, k
 
 
 def cpu_rank_locations():
