@@ -287,11 +287,24 @@ class _Unavailable(Exception):
     pass
 
 
+def _model_class(directory):
+    """The class ``config.json`` names (``architectures[0]``) when transformers has it, else AutoModelForCausalLM."""
+    import transformers
+
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as handle:
+            names = json.load(handle).get("architectures") or []
+    except (OSError, ValueError):
+        names = []
+    found = getattr(transformers, names[0], None) if names else None
+    return found if isinstance(found, type) and hasattr(found, "from_pretrained") else transformers.AutoModelForCausalLM
+
+
 def _load(directory, adapter):
     from transformers import AutoModelForCausalLM
 
     if adapter is None:
-        return AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
+        return _model_class(directory).from_pretrained(directory, output_loading_info=True)
     from peft import PeftModel
 
     base_path = str(adapter.get("base_model_name_or_path") or "")
