@@ -2,7 +2,10 @@
 
     python tests/resume/worker.py --engine single --phase full   --out DIR [--cases a,b]
     python tests/resume/worker.py --engine single --phase resume --out DIR
-    torchrun --standalone --nproc_per_node=2 tests/resume/worker.py --engine ddp --phase full --out DIR
+    torchrun --standalone --nproc_per_node=2 tests/resume/worker.py --engine ddp,fsdp2 --phase full --out DIR
+
+Several engines in one launch run one after the other in the same ranks (``ddp,fsdp2``; ``zero2,zero3``), each
+case of each engine in ``DIR/<engine>/<case>``: a launch costs more than a case on 2 cores.
 
 ``--phase full`` trains each case's N optimizer steps in one go, writing its checkpoints as it goes;
 ``--phase resume`` (a new process) builds the same case again and resumes from the full run's
@@ -321,16 +324,16 @@ def main():
     args = parser.parse_args()
     world, _ = world_and_rank()
     os.environ.setdefault("WANDB_DISABLED", "true")
-    if args.engine in ("zero2", "zero3"):
+    engines = [e for e in args.engine.split(",") if e]
+    deepspeed = {"zero2", "zero3"} & set(engines)
+    if deepspeed and set(engines) - deepspeed:
+        raise SystemExit("DeepSpeed engines run in a launch of their own (their PartialState is made for DeepSpeed)")
+    if deepspeed:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # docs/deepspeed.md: the CPU catch
         from accelerate import PartialState
 
         PartialState(backend="gloo")
-    elif args.engine == "fsdp2":  # tests/resume/fsdp2_loop.py: no Trainer (it cannot run FSDP without an accelerator)
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-    if world > 1 and args.engine == "ddp":
+    if world > 1 and "ddp" in engines:
         cpu_rank_locations()
     if not args.without_ftshims:
         import ftshims
@@ -339,8 +342,17 @@ def main():
     import transformers
 
     transformers.logging.set_verbosity_error()
-    for name in args.cases.split(","):
-        run_case(name, args.engine, args.phase, args.out)
+    from fsdp2_loop import CASES as FSDP2_CASES
+
+    for engine in engines:
+        if engine == "fsdp2":  # fsdp2_loop.py: no Trainer (it cannot run FSDP without an accelerator)
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+        for name in args.cases.split(","):
+            if engine != "fsdp2" or name in FSDP2_CASES:
+                run_case(name, engine, args.phase, os.path.join(args.out, engine))
 
 
 if __name__ == "__main__":
