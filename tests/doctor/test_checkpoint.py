@@ -163,3 +163,15 @@ def test_unusable_directories_and_usage(tmp_path):
     assert code == 2 and "checkpoint-unusable" in found
     assert doctor("--reload")[0] == 2  # --reload needs --checkpoint
     assert doctor("--checkpoint", tmp_path, "--reload-tolerance", "-1")[0] == 2
+
+
+def test_every_code_is_documented():
+    """docs/doctor-json.md's checkpoint table lists every code with its severity, and nothing else."""
+    import re
+
+    from ftshims.checkpoint.offline import CODES
+
+    text = (ROOT / "docs" / "doctor-json.md").read_text(encoding="utf-8")
+    table = text[text.index("## `--checkpoint DIR --json`"):]
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (error|warning|info) \|", table, flags=re.M))
+    assert rows == {code: severity for code, (severity, _) in CODES.items()}

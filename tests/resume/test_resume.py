@@ -174,6 +174,10 @@ def test_resume_parity(engine, case, tmp_path_factory):
     outcome, entry = ENGINE_EXPECTED.get((engine, case), EXPECTED[case])
     full0, resumed0 = run["full"][0], run["resume"][0]
     assert "error" not in full0, full0.get("traceback", full0.get("error"))
+    if engine != "fsdp2":  # the monitor verified every save (fsdp2_loop.py has no Trainer)
+        checks = [c for r in run["full"] + run["resume"] for c in r.get("findings", []) if c.startswith("checkpoint_")]
+        assert checks == [], f"{engine} {case}: the monitor found a save that differs from memory: {checks}"
+        assert full0["manifest"], f"{engine} {case}: no ftshims-manifest.json beside checkpoint-{full0['k']}"
     if outcome in ("refused", "refused upstream"):
         errors = [r.get("error", "") for r in run["resume"]]
         start = "ResumeNotExact: ftshims: refusing to resume" if outcome == "refused" else \

@@ -13,7 +13,8 @@ DeepSpeed ZeRO-3 the partitioned parameters gathered first, every rank taking pa
 Then ``ftshims-manifest.json`` goes beside the files (:mod:`ftshims.checkpoint.manifest`: the SHA-256 and size
 of every file of the checkpoint, the tensors' dtypes and shapes) with ``ftshims-reference.safetensors``: the
 logits of the model in memory on a fixed input of 4 token ids (eval mode, no gradient, no random number drawn),
-which ``python -m ftshims.doctor --checkpoint DIR --reload`` compares with the reloaded model's. With every
+which ``python -m ftshims.doctor --checkpoint DIR --reload`` compares with the reloaded model's (not under ZeRO-3
+or FSDP, where an extra forward outside the engine's step is a risk to the run: see ``_sharded``). With every
 code ``off``, nothing is read, written or computed at a save.
 
 Cost: at each save (never per step) one read of the weight files and one hash of every file written, plus one
@@ -43,18 +44,19 @@ class CheckpointVerified(Detector):
         self.notes = set()
 
     def saved(self, mon, directory: str, step: int) -> None:
-        if not directory or not os.path.isdir(directory):
-            return
+        # Every rank takes the same path up to the end (barriers, ZeRO-3's gather): no rank may return early on
+        # what it sees on disk. A rank that writes nothing can get here before rank 0 made the directory (DeepSpeed
+        # with save_only_model: rank 1 returned, rank 0 waited at the barrier for ever).
         import torch.distributed as dist
 
         distributed = mon.world > 1 and dist.is_available() and dist.is_initialized()
         model = mon.model
-        reference = _reference_logits(model)  # every rank: under ZeRO-3 / FSDP the forward gathers parameters
+        reference = None if _sharded(model) else _reference_logits(model)  # the same decision on every rank
         if distributed:
             dist.barrier()  # every rank's files are written before rank 0 reads and hashes them
         gathered = _gathered(model)
         with gathered:
-            if mon.rank == 0:
+            if mon.rank == 0 and directory and os.path.isdir(directory):
                 self._verify(mon, model, directory, step, reference)
         if distributed:
             dist.barrier()  # the manifest is complete before any rank goes on (a later save may rotate this one)
@@ -115,6 +117,15 @@ def _gathered(model):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def _sharded(model) -> bool:
+    """Parameters partitioned by DeepSpeed ZeRO-3 or sharded as DTensors (FSDP2). No reference forward there: an
+    extra forward outside the engine's own step can leave ZeRO-3's parameter coordinator in a state whose next
+    backward fails (seen with the monitor's packing re-run: deepspeed 0.19.8, TRL's packed SFT batches, "The size of
+    tensor a (0) must match the size of tensor b (64)"), and the reference is a convenience for ``--reload``, not
+    worth a risk to the run."""
+    return any(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def _reference_logits(model):
