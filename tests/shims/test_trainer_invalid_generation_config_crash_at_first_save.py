@@ -19,7 +19,7 @@ def test_valid_generation_config_trains_and_saves(evidence):
     assert_bug_and_fix(SHIM, evidence, "valid generation config (healthy)", expect_bug=False, invalid=False)
 
 
-def test_the_error_gives_transformers_reason_and_the_fix_and_the_config_is_untouched():
+def test_the_error_gives_transformers_reason_and_the_fix_and_the_config_is_untouched(tmp_path):
     from transformers import Trainer, TrainingArguments
 
     from ftshims import tiny
@@ -30,7 +30,7 @@ def test_the_error_gives_transformers_reason_and_the_fix_and_the_config_is_untou
         model.generation_config.do_sample = False
         model.generation_config.temperature = 1e-6
         before = model.generation_config.to_dict()
-        trainer = Trainer(model=model, args=TrainingArguments("unused", use_cpu=True, report_to=[], max_steps=1),
+        trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1),
                           train_dataset=[{"input_ids": [3, 4], "labels": [3, 4]}])
         with pytest.raises(shim_module.InvalidGenerationConfig) as raised:
             trainer.train()
