@@ -141,6 +141,20 @@ def compare(on_disk: Dict[str, object], expected: Optional[Dict[str, object]]) -
     return problems
 
 
+def compare_saved(on_disk: Dict[str, object], expected: Dict[str, object]) -> Tuple[List[Dict[str, object]], List[str]]:
+    """``compare`` for a save, where the files may name tensors otherwise than the model does: ``(problems, renamed)``.
+
+    transformers 5 converts some checkpoints' layouts on load and back on save (MoE experts: ``experts.0.w1.weight``
+    on disk, one fused ``experts.gate_up_proj`` in memory). When the files hold names the model does not have
+    (``renamed``, listed), a tensor of the model missing from them proves nothing, so only the tensors both name
+    are compared; otherwise every tensor of the model must be there."""
+    renamed = sorted(set(on_disk) - set(expected))
+    if not renamed:
+        return compare(on_disk, expected), []
+    shared = {key: tensor for key, tensor in expected.items() if key in on_disk}
+    return compare(on_disk, shared), renamed
+
+
 def tensor_records(tensors: Dict[str, object]) -> Dict[str, Dict[str, object]]:
     """``{key: {"dtype", "shape"}}`` for the manifest."""
     return {key: {"dtype": _dtype(t), "shape": list(t.shape)} for key, t in sorted(tensors.items())}

@@ -136,3 +136,34 @@ def test_custom_loop_saved(tmp_path):
     mon.close()
     assert [f.code for f in mon.findings if f.code in CODES] == []
     assert json.loads((tmp_path / MANIFEST_NAME).read_text())["global_step"] == 1
+
+
+def test_a_save_that_renames_tensors_is_compared_on_the_shared_names_only():
+    """transformers 5 saves MoE experts one tensor each where the model holds them fused: no false 'missing'; the
+    tensors both name are still compared."""
+    from ftshims.checkpoint.verify import compare_saved
+
+    memory = {"a": torch.ones(2), "experts.gate_up_proj": torch.ones(2, 4, 3)}
+    disk = {"a": torch.ones(2), "experts.0.w1.weight": torch.ones(3, 2), "experts.0.w3.weight": torch.ones(3, 2)}
+    assert compare_saved(disk, memory) == ([], ["experts.0.w1.weight", "experts.0.w3.weight"])
+    disk["a"] = torch.zeros(2)
+    problems, renamed = compare_saved(disk, memory)
+    assert [p["problem"] for p in problems] == ["zero"] and renamed
+    problems, renamed = compare_saved({"a": torch.ones(2)}, memory)  # same naming: a missing tensor is reported
+    assert [(p["problem"], p["key"]) for p in problems] == [("missing", "experts.gate_up_proj")] and renamed == []
+
+
+def test_mixtral_saves_verified_without_a_false_finding(tmp_path):
+    """A tiny Mixtral through the Trainer (on transformers 5 its experts are saved one tensor each)."""
+    import ftshims.monitor
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny.causal_lm("MixtralConfig", attn="sdpa", vocab_size=128, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
+    callback = ftshims.monitor.callback()
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2, save_steps=2, report_to=[],
+                             use_cpu=True, disable_tqdm=True, logging_strategy="no")
+    with tiny.quiet():
+        Trainer(model=model, args=args, train_dataset=rows(4), callbacks=[callback]).train()
+    assert [f.code for f in callback.findings if f.code in CODES] == []
+    assert (tmp_path / "checkpoint-2" / MANIFEST_NAME).is_file()

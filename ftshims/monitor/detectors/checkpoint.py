@@ -7,6 +7,8 @@ its ``modules_to_save`` copies and resized embeddings, else the state dict, tied
 DeepSpeed ZeRO-3 the partitioned parameters gathered first, every rank taking part):
 
 * ``checkpoint_key_missing``: a tensor of the model is not in the files (or a weight file cannot be read back);
+  when the files name tensors the model does not have (transformers 5 saves some layouts converted back, MoE
+  experts one tensor each), only the tensors both name are compared (``verify.compare_saved``);
 * ``checkpoint_tensor_empty``: a tensor with no elements, or all zeros, on disk while the model's is not;
 * ``checkpoint_tensor_changed``: another dtype, shape or values on disk than in memory.
 
@@ -63,14 +65,17 @@ class CheckpointVerified(Detector):
 
     def _verify(self, mon, model, directory, step, reference) -> None:
         from ...checkpoint import manifest
-        from ...checkpoint.verify import compare, expected_weights, read_weights, tensor_records, weight_files
+        from ...checkpoint.verify import compare_saved, expected_weights, read_weights, tensor_records, weight_files
 
         name = os.path.basename(os.path.normpath(directory))
         records = None
         if weight_files(directory):
             on_disk, where, unreadable = read_weights(directory)
-            expected = expected_weights(model)
-            problems = compare(on_disk, expected)
+            problems, renamed = compare_saved(on_disk, expected_weights(model))
+            if renamed and "renamed" not in self.notes:
+                self.notes.add("renamed")
+                log.info("%s: the save names %d tensors otherwise than the model (e.g. %s: a layout converted on "
+                         "save): only the tensors both name are compared", name, len(renamed), renamed[0])
             problems += [{"problem": "missing", "key": text.split(":", 1)[0], "detail": text} for text in unreadable]
             records = tensor_records(on_disk)
             self._report(mon, name, step, problems)
