@@ -86,7 +86,9 @@ def expected_weights(model) -> Dict[str, object]:
         except Exception:  # an adapter type this PEFT cannot dump: compare the whole model instead
             state = None
     if state is None:
-        state = model.state_dict()
+        state = dict(model.state_dict())
+        for key in getattr(model, "_keys_to_ignore_on_save", None) or ():  # save_pretrained drops these names
+            state.pop(key, None)
     out, seen = {}, {}
     for name, tensor in state.items():
         if not hasattr(tensor, "detach"):

@@ -22,8 +22,8 @@ code ``off``, nothing is read, written or computed at a save.
 Cost: at each save (never per step) one read of the weight files and one hash of every file written, plus one
 4-token forward; under several ranks one barrier (the hashes wait for every rank's files) and, under ZeRO-3,
 the gather the Trainer's own save does. Checkpoints saved in a sharded format only (FSDP's SHARDED_STATE_DICT,
-DeepSpeed without gathered 16-bit weights) have no full weight file: they are hashed, not compared (the JSONL
-header's ``checkpoint`` note says so once).
+DeepSpeed without gathered 16-bit weights) have no full weight file, and FSDP's DTensor parameters would need a
+collective to gather: these saves are hashed, not compared (one info line says so).
 """
 
 from __future__ import annotations
@@ -69,7 +69,11 @@ class CheckpointVerified(Detector):
 
         name = os.path.basename(os.path.normpath(directory))
         records = None
-        if weight_files(directory):
+        dtensors = any(hasattr(p, "full_tensor") for p in model.parameters())
+        if dtensors and "fsdp" not in self.notes:  # gathering DTensors is a collective; rank 0 verifies alone
+            self.notes.add("fsdp")
+            log.info("%s: FSDP (DTensor) parameters: the save is hashed, not compared with memory", name)
+        if weight_files(directory) and not dtensors:
             on_disk, where, unreadable = read_weights(directory)
             problems, renamed = compare_saved(on_disk, expected_weights(model))
             if renamed and "renamed" not in self.notes:
