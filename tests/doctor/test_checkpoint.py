@@ -175,3 +175,28 @@ def test_every_code_is_documented():
     table = text[text.index("## `--checkpoint DIR --json`"):]
     rows = dict(re.findall(r"^\| `([a-z-]+)` \| (error|warning|info) \|", table, flags=re.M))
     assert rows == {code: severity for code, (severity, _) in CODES.items()}
+
+
+def test_an_adapter_reloads_on_its_local_base_with_resized_embeddings(tmp_path):
+    """LoRA with modules_to_save on resized embeddings over a base saved in a local directory: --reload builds the
+    base, resizes it to the adapter's embedding rows, loads the adapter and gives back the reference logits."""
+    import ftshims.monitor
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    tiny.tiny_llama(attn="sdpa").save_pretrained(tmp_path / "base")
+    with tiny.quiet():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="sdpa")
+        torch.manual_seed(3)
+        model.resize_token_embeddings(136)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 modules_to_save=["embed_tokens", "lm_head"], task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": r, "labels": r.clone()} for r in torch.randint(3, 136, (4, 8), generator=g)]
+    args = TrainingArguments(str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2, save_steps=2,
+                             report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no", learning_rate=1e-2)
+    with tiny.quiet():
+        Trainer(model=model, args=args, train_dataset=rows, callbacks=[ftshims.monitor.callback()]).train()
+    code, report, found = doctor_json(tmp_path / "run" / "checkpoint-2", "--reload")
+    assert code == 0, report["findings"]
+    assert report["facts"]["reload"]["identical"], report["facts"]["reload"]
