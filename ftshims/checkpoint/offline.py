@@ -133,9 +133,12 @@ def _check_resume(described, findings):
                                  "from it would restart the learning-rate schedule and the optimizer's moments "
                                  "(ftshims' resume_save_only_model_restarts_lr_schedule refuses it)"))
     elif described["missing_for_resume"]:
-        findings.append(_finding("resume-incomplete", "a Trainer checkpoint without " +
-                                 ", ".join(described["missing_for_resume"]) + ": a resume from it would not continue "
-                                 "the run it was saved from (the Trainer would silently start that part afresh)"))
+        missing = described["missing_for_resume"]
+        guarded = not described["optimizer"] or not described["scheduler"]
+        findings.append(_finding("resume-incomplete", "a Trainer checkpoint without " + ", ".join(missing) +
+                                 ": a resume from it would not continue the run it was saved from (the Trainer starts "
+                                 "what is missing afresh without an error" + ("; ftshims' "
+                                 "resume_save_only_model_restarts_lr_schedule refuses such a resume)" if guarded else ")")))
 
 
 def _check_tensors(tensors, where, recorded, findings):
