@@ -12,6 +12,7 @@
     nox -s clients            # ftshims inside LLaMA-Factory, Liger, axolotl runs (tests/clients)
     nox -s package            # sdist + wheel as users get them, twine check, the doctor from the installed wheel
     nox -s peer               # TRL's own tests at its releases, off vs the default shims, per test id (tests/peer)
+    nox -s resume             # resume parity gate: resumed runs equal uninterrupted ones on 5 engines (tests/resume)
 
 Every session is a uv venv with torch 2.13.0 (CPU) unless its stack names another
 torch (``torch = "2.15.0"`` in stacks.toml: a CUDA build from PyPI, run on the CPU). uv does not read pip's
@@ -218,6 +219,22 @@ def mutation_check(session: nox.Session, stack: str) -> None:
     session.install(*_torch_source(), _torch(stack), *STACKS[stack]["pins"], *TEST_DEPS)
     _install_project(session)
     _mutation(session, stack)
+
+
+@nox.session(python="3.11")
+def resume(session: nox.Session) -> None:
+    """Resume parity gate (issue 36, tests/resume): each case trained in one go and resumed from checkpoint K in a
+    new process, per-step losses, learning rates and final weights bit-identical, on one process, DDP, FSDP2 and
+    DeepSpeed ZeRO-2/3 (2 CPU ranks), default stack. ``nox -s resume -- -k single`` passes arguments to pytest;
+    ``FTSHIMS_RESUME_ENGINES=single,ddp`` narrows the engines."""
+    stack = DEFAULT_STACK
+    session.install(*_torch_source(), _torch(stack), *STACKS[stack]["pins"], *TEST_DEPS)
+    _install_project(session)
+    env = _test_env(FTSHIMS_STACK=stack, FTSHIMS_RESUME_GATE="1")
+    if os.environ.get("FTSHIMS_RESUME_ENGINES"):
+        env["FTSHIMS_RESUME_ENGINES"] = os.environ["FTSHIMS_RESUME_ENGINES"]
+    session.run("python", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--durations=10", "tests/resume",
+                *session.posargs, env=env)
 
 
 # The model-zoo parity gate runs on one stack of the 4.37 mask era, the default stack and the

@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="training config: TrainingArguments/SFTConfig as JSON, or LLaMA-Factory YAML",
     )
     lint.add_argument("--explain", metavar="RULE", help="print what a lint rule checks and when it fires, and exit")
+
+    checkpoint = parser.add_argument_group("checkpoint check (instead of the report)")
+    checkpoint.add_argument("--checkpoint", metavar="DIR", help="re-check a saved checkpoint directory offline: manifest "
+                            "hashes, what a resume needs, the weights, adapter config, tokenizer rows; exit 0 sound, "
+                            "1 a finding, 2 unusable")
+    checkpoint.add_argument("--reload", action="store_true", help="with --checkpoint: load the model and compare its "
+                            "logits with the reference the monitor saved")
+    checkpoint.add_argument("--reload-tolerance", type=_non_negative, default=0.0, metavar="ABS",
+                            help="with --reload: the largest |logit difference| accepted (default 0: bit-identical)")
     parser.set_defaults(format="text")
     return parser
 
@@ -119,6 +128,16 @@ def _positive(kind, what: str):
 
 
 _positive_seconds = _positive(float, "a number")
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    return value
 _positive_int = _positive(int, "an integer")
 
 
@@ -152,6 +171,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.explain is not None:
         _write(_explain(parser, args.explain))
         return 0
+    if args.checkpoint is None and (args.reload or args.reload_tolerance):
+        parser.error("--reload and --reload-tolerance need --checkpoint DIR")
+    if args.checkpoint is not None:
+        from .checkpoint import run
+
+        text, code = run(args.checkpoint, args.format, reload=args.reload, tolerance=args.reload_tolerance)
+        _write(text)
+        return code
 
     from .report import Options, collect
     from .formats import render, to_json

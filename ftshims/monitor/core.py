@@ -145,7 +145,7 @@ def _attach_points():
     downloads no torch release; the monitor checks them where it runs (``hasattr``) and falls back."""
     from ..spec import Target
 
-    events = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end")
+    events = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_save", "on_train_end")
     return (
         # the callback's events (trainer.py); on_pre_optimizer_step since 4.45 (the optimizer's hook before)
         *[(Target("transformers.trainer_callback", f"CallbackHandler.{event}"), ()) for event in events],
@@ -505,6 +505,15 @@ class Monitor:
         packing = self.detectors.by_code.get("packing_contaminated")
         if packing is not None and os.getpid() == self.pid:
             packing.note_collated(features, batch)
+
+    def saved(self, directory: str, global_step: Optional[int] = None) -> None:
+        """After a checkpoint was written to ``directory`` (the Trainer's ``on_save``; in a custom loop, after your
+        ``save_pretrained``), on every rank: the files against the model in memory, and a manifest beside them."""
+        if self._closed:
+            return
+        step = self.completed_step if global_step is None else int(global_step)
+        for detector in self.detectors.saved:
+            detector.saved(self, directory, step)
 
     def logged(self, step: int, logs: Dict[str, Any]) -> None:
         """The Trainer's ``on_log``: its numbers to the JSONL, its loss to loss_spike when the model returns none."""

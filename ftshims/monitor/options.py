@@ -44,6 +44,11 @@ CODES: Dict[str, Tuple[str, str]] = {
     "rows_truncated": (WARNING, "more than truncated_share of the rows fill the maximum length without their EOS target, while shorter rows end with EOS"),
     "lr_schedule_cannot_train": (ERROR, "warmup longer than the run, a learning rate of 0 at most steps, or a scheduler that never moves the lr"),
     "loss_not_moving": (ERROR, "the loss did not change at all over the first loss_steps optimizer steps while parameters are trainable"),
+    # each save verified (detectors/checkpoint.py): the files read back against the weights in memory, a manifest
+    # with SHA-256 written beside them
+    "checkpoint_key_missing": (ERROR, "a saved checkpoint lacks a tensor the model has in memory (or a weight file cannot be read back)"),
+    "checkpoint_tensor_empty": (ERROR, "a saved tensor is empty or all zeros while the model's in memory is not"),
+    "checkpoint_tensor_changed": (ERROR, "a saved tensor's dtype, shape or values differ from the model's in memory"),
 }
 
 POLICIES = ("warn", "raise")

@@ -10,11 +10,13 @@ axolotl's): it only uses the callback events and the objects they carry.
   ``on_pre_optimizer_step``);
 * ``on_log``: the read point on an accelerator (the Trainer has just synchronised
   for ``tr_loss.item()``), and the periodic checks;
+* ``on_save``: the checkpoint just written, verified against the model (detectors/checkpoint.py);
 * ``on_train_end``: the summary; hooks and the ``collate_fn`` wrapper removed.
 """
 
 from __future__ import annotations
 
+import os
 from typing import List
 
 from transformers import TrainerCallback
@@ -74,6 +76,10 @@ class MonitorCallback(TrainerCallback):
         if not self.monitor.read_each_step:
             self.monitor.read()
         self.monitor.check()
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._live():  # the Trainer's checkpoint folder (transformers' PREFIX_CHECKPOINT_DIR)
+            self.monitor.saved(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._finish()

@@ -44,4 +44,8 @@ SHIM_IDS = (
     "peft_prompt_learning_packing",
     "trl_fused_head_trainable_tokens",
     "trl_fused_head_logit_transforms",
+    "resume_save_only_model_restarts_lr_schedule",
+    "resume_iterable_dataset_wrapped_pass_replays",
+    "trainer_plain_module_shared_params_crash_at_first_save",
+    "trainer_invalid_generation_config_crash_at_first_save",
 )

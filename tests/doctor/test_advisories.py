@@ -489,6 +489,27 @@ CASES = {
         ({"llamafactory": "0.9.6"}, None, False),
         ({"llamafactory": N}, None, False),
     ],
+    # issue 36 (resume gate, dossier-wave5 leads 13 and 14)
+    "trainer_resume_random_data_mid_epoch": [
+        ({"transformers": "4.35.0"}, None, True),  # the oldest release read: restore after the first fetch
+        ({"transformers": "5.25.0"}, None, True),  # newest: unchanged
+        ({"transformers": "4.34.1"}, None, False),  # not read
+        ({"transformers": N}, None, False),
+    ],
+    "bart_untied_embeddings_lost_on_reload": [
+        ({"transformers": "4.57.0"}, None, True),
+        ({"transformers": "4.57.6"}, None, True),  # run: saves model.shared only
+        ({"transformers": "5.0.0"}, None, False),  # 5.x saves all three matrices
+        ({"transformers": "4.56.2"}, None, False),  # not checked
+        ({"transformers": N}, None, False),
+    ],
+    "accelerate_skip_first_batches_drops_loader_config": [
+        ({"accelerate": "1.3.0"}, None, True),
+        ({"accelerate": "1.15.0"}, None, True),  # run
+        ({"accelerate": "1.16.0"}, None, False),  # run: keeps every attribute
+        ({"accelerate": "1.2.1"}, None, False),  # not read
+        ({"accelerate": N}, None, False),
+    ],
 }
 
 
@@ -769,6 +790,7 @@ def test_matching_reads_installed_versions_when_none_given(monkeypatch):
         "moonshine_florence2_double_shifted_labels",
         "num_items_in_batch_overcount_4_46",
         "average_tokens_across_devices_off",
+        "trainer_resume_random_data_mid_epoch",  # info severity: last
     ]
     assert sorted(asked) == sorted(advisories.packages())
 
@@ -792,19 +814,21 @@ def test_the_pinned_stacks_see_the_expected_advisories():
                  {"trl_constant_length_dataset_packing", "ga_mean_of_micro_batch_means",
                   "llama_gemma_causal_mask_buffer_4_38", "trl_sft_eos_label_masked_when_pad_is_eos",
                   "fa2_right_padding_raises_in_training", "fa2_right_padding_raises_in_training_mixtral",
-                  "fa2_right_padding_raises_in_training_qwen2"}),
+                  "fa2_right_padding_raises_in_training_qwen2", "trainer_resume_random_data_mid_epoch"}),
         "s446": ({"transformers": "4.46.3", "trl": "0.12.2", "torch": "2.13.0+cpu"},
                  {"trl_constant_length_dataset_packing", "ga_loss_scaling_4_46", "num_items_in_batch_overcount_4_46",
                   "trl_sft_eos_label_masked_when_pad_is_eos", "fa2_right_padding_raises_in_training",
                   "average_tokens_across_devices_off", "roberta_flattened_position_ids_before_5_15",
-                  "trl_dpo_conversational_extra_eos", "trl_gkd_eos_masked_when_pad_is_eos"}),
+                  "trl_dpo_conversational_extra_eos", "trl_gkd_eos_masked_when_pad_is_eos",
+                  "trainer_resume_random_data_mid_epoch"}),
         "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"},
                  {"num_items_in_batch_overcount_4_46", "fa2_right_padding_raises_in_training_qwen2_moe",
                   "average_tokens_across_devices_off", "gemma_hidden_act_gelu_exact_regression",
                   "roberta_flattened_position_ids_before_5_15", "causal_heads_ignore_shift_labels",
                   "git_cohere_asr_ppformulanet_double_shifted_labels", "moonshine_florence2_double_shifted_labels",
                   "trl_dpo_conversational_extra_eos", "trl_gkd_eos_masked_when_pad_is_eos",
-                  "trl_grpo_none_reward_in_baseline", "trl_prompt_not_prefix_completion_shift"}),
+                  "trl_grpo_none_reward_in_baseline", "trl_prompt_not_prefix_completion_shift",
+                  "trainer_resume_random_data_mid_epoch"}),
         "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"},
                   {"deepseek_v2_yarn_missing_mscale", "fa2_right_padding_raises_in_training_qwen2_moe",
                    "gemma_hidden_act_gelu_exact_regression", "roberta_flattened_position_ids_before_5_15",
@@ -812,10 +836,11 @@ def test_the_pinned_stacks_see_the_expected_advisories():
                    "moonshine_florence2_double_shifted_labels", "trl_dpo_conversational_extra_eos",
                    "trl_gkd_eos_masked_when_pad_is_eos", "trl_grpo_dapo_normalizer_generation_window",
                    "trl_grpo_dapo_num_items_counts_masked_tokens", "trl_grpo_none_reward_in_baseline",
-                   "trl_prompt_not_prefix_completion_shift", "moe_vlm_config_output_router_logits_ignored"}),
+                   "trl_prompt_not_prefix_completion_shift", "moe_vlm_config_output_router_logits_ignored",
+                   "trainer_resume_random_data_mid_epoch", "bart_untied_embeddings_lost_on_reload"}),
         "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"},
                  {"gemma3_images_causal_without_token_type_ids", "v5_default_dtype_half_weights_full_finetune",
-                  "trl_fused_lm_head_unsupported_logits"}),
+                  "trl_fused_lm_head_unsupported_logits", "trainer_resume_random_data_mid_epoch"}),
     }
     for name, (versions, expected) in stacks.items():
         assert {a.id for a in advisories.matching(versions)} == expected, name

@@ -153,7 +153,7 @@ def _fake_transformers(tmp_path, version, trainer_body, events):
 
 
 def test_monitor_attach_points_drift_is_reported(tmp_path):
-    base = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end")
+    base = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_save", "on_train_end")
     clip = "return self.accelerator.clip_grad_norm_(model.parameters(), 1.0)"
     # 4.44: on_pre_optimizer_step did not exist yet (when=">=4.45"): nothing to report
     good = canary.check_monitor(_fake_transformers(tmp_path, "4.44.2", clip, base), "transformers", "4.44.2", True)

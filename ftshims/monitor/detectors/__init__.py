@@ -11,7 +11,9 @@ detector under those, so a per-step hook calls no detector that does nothing the
   (``p.grad is None``), no device reads;
 * ``read(mon, view)``: at a read point, with the host values of one step (:class:`~ftshims.monitor.core.StepView`);
 * ``check(mon)``: the periodic checks (logging steps, ``read_every``, the end);
-* ``close(mon)``: at the end of training.
+* ``close(mon)``: at the end of training;
+* ``saved(mon, directory, step)``: after a checkpoint was written (the Trainer's ``on_save``, or
+  ``Monitor.saved()``), on every rank.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import List
 
-MOMENTS = ("begin", "batch", "output", "grads", "read", "check", "close")
+MOMENTS = ("begin", "batch", "output", "grads", "read", "check", "close", "saved")
 
 
 class Detector:
@@ -39,8 +41,11 @@ class Detector:
 
     def close(self, mon) -> None: ...
 
+    def saved(self, mon, directory, step) -> None: ...
+
 
 def all_detectors() -> List[Detector]:
+    from .checkpoint import CheckpointVerified
     from .data import DataChecks, SpecialTokenInvalid
     from .labels import EosNeverTarget, LabelsAllIgnored, LossCountMismatch
     from .nonfinite import NonFinite
@@ -58,6 +63,7 @@ def all_detectors() -> List[Detector]:
         LossSpike(), GradNormSpike(), LabelsAllIgnored(), EosNeverTarget(), LossCountMismatch(),
         PackingContaminated(), RopeLowPrecision(), RanksIdenticalBatches(),
         SpecialTokenInvalid(), DataChecks(), LrScheduleCannotTrain(), LossNotMoving(),
+        CheckpointVerified(),
     ]
 
 
