@@ -45,7 +45,9 @@ from typing import Dict, List, Optional, Tuple
 log = logging.getLogger("ftshims")
 
 _LOCK = threading.Lock()
-_STATE: Dict[str, object] = {"tried": False, "loaded": False, "how": None, "reason": None, "cuda": False, "build": None}
+_STATE: Dict[str, object] = {
+    "tried": False, "loaded": False, "how": None, "reason": None, "cuda": False, "build": None, "cpu_isa": None,
+}
 
 HERE = Path(__file__).resolve().parent
 # The C++ sources in link order: rotary.cpp (baseline flags) must come first, so that the inline functions of
@@ -100,6 +102,16 @@ def _has_cuda_kernels() -> bool:
         return "cuda" in torch.ops.ftshims.rotary_build_info()
     except (AttributeError, RuntimeError):
         return False
+
+
+def _cpu_isa() -> Optional[str]:
+    """The instruction set the CPU kernel runs with here: "avx512", "avx2" or "default" (None: a library without it)."""
+    import torch
+
+    try:
+        return str(torch.ops.ftshims.rotary_cpu_isa())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _aot_library() -> Optional[Path]:
@@ -301,6 +313,7 @@ def load(jit: bool = True) -> bool:
 
             _ops.register_python_parts()
             _STATE["cuda"] = _has_cuda_kernels()
+            _STATE["cpu_isa"] = _cpu_isa()
             _STATE["reason"] = None
         else:
             _STATE["reason"] = "; ".join(reasons)
@@ -327,6 +340,8 @@ def has_cuda_kernels() -> bool:
 
 def status() -> Dict[str, object]:
     """What happened when loading: ``loaded``, ``how``, ``reason`` (when not loaded), ``cuda`` (the loaded library
-    has CUDA kernels) and ``build`` (for a JIT build: which kernels it compiles and why, from :func:`plan`)."""
+    has CUDA kernels), ``cpu_isa`` (the instruction set its CPU kernel runs with here: ``avx512``, ``avx2`` or
+    ``default``, chosen as torch chooses its own, ``ATEN_CPU_CAPABILITY`` included) and ``build`` (for a JIT
+    build: which kernels it compiles and why, from :func:`plan`)."""
     with _LOCK:
         return dict(_STATE)
