@@ -15,13 +15,14 @@ import json
 import sys
 
 COPY_TARGET, LIGER_TARGET, HF_TARGET = 0.85, 1.3, 3.0
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def rows(data):
     for r in data["results"]:
         if not r["impl"].startswith("ftshims"):
             continue
-        tag = f"bench {r['shape']} {r['dtype'][:4]} {r['mode']} {r['impl'][len('ftshims_'):]}"
+        tag = f"bench {r['shape']} {SHORT.get(r['dtype'], r['dtype'])} {r['mode']} {r['impl'][len('ftshims_'):]}"
         detail = f"{r['ms']:.3f} ms, {r['gbs']:.0f} GB/s, {r['frac_copy']:.0%} of copy"
         ok = r["frac_copy"] >= COPY_TARGET
         checks = [f"copy>={COPY_TARGET:.0%}:{'ok' if ok else 'no'}"]
