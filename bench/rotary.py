@@ -31,7 +31,9 @@ backward pass counts the same again (grads in, grads out). ``copy`` is a
 ``dst.copy_(src)`` of the q+k bytes into an existing buffer, timed in the same
 loop as every implementation (copy and implementation alternate, repeat after
 repeat, so a busy machine slows both alike): ``frac_copy`` is the achieved
-bandwidth as a fraction of it, for every implementation and mode. ``clone``
+bandwidth as a fraction of it (ratio of the minima), for every implementation
+and mode; ``paired`` is the median over repeats of the same ratio within each
+(copy, implementation) pair, the steadier figure when the load changes. ``clone``
 (``src.clone()``: the same copy into freshly allocated memory) is printed as
 a row of its own: an out-of-place op pays for its output's first touch, which
 bounds its ``frac_copy`` below 1 on CPU. Times are the minimum over repeats
@@ -158,8 +160,9 @@ def count_bytes(t, extra, backward):
     return per_pass * (2 if backward else 1)
 
 
-def timer(device, fns, repeats, warmup):
-    """Seconds per call of each of ``fns``, timed alternately in one loop: min over repeats (CPU) or median (GPU)."""
+def timer(device, fns, repeats, warmup, samples=None):
+    """Seconds per call of each of ``fns``, timed alternately in one loop: min over repeats (CPU) or median (GPU).
+    ``samples``: a list that receives every repeat's times (one list per function)."""
     for _ in range(warmup):
         for fn in fns:
             fn()
@@ -177,6 +180,8 @@ def timer(device, fns, repeats, warmup):
                 t0 = time.perf_counter()
                 fn()
                 times[i].append(time.perf_counter() - t0)
+    if samples is not None:
+        samples.extend(times)
     return [statistics.median(t) if device == "cuda" else min(t) for t in times]
 
 
@@ -239,23 +244,30 @@ def run(args):
 
                         def step(fn=fn, tt=tt, gq=gq, gk=gk):
                             oq, ok = fn(tt)
-                            torch.autograd.backward((oq, ok), (gq, gk))
+                            # the gradients returned, not accumulated into .grad (an extra pass over q and k)
+                            torch.autograd.grad((oq, ok), (tt["q"], tt["k"]), (gq, gk))
                     else:
                         def step(fn=fn, t=t):
                             with torch.no_grad():
                                 fn(t)
                     try:
                         # the copy again, alternating with this implementation: a ratio from one stretch of time
-                        pair_copy_s, seconds = timer(device, [copy, step], args.repeats, args.warmup)
+                        samples = []
+                        pair_copy_s, seconds = timer(device, [copy, step], args.repeats, args.warmup, samples)
                     except Exception as exc:  # one implementation failing must not hide the others
                         print(f"# {impl_name} {shape_name} {dtype_name} {mode}: failed: {type(exc).__name__}: {exc}")
                         continue
                     pair_copy_gbs = copy_bytes / pair_copy_s / 1e9
                     nbytes = count_bytes(t, extra, backward)
                     gbs = nbytes / seconds / 1e9
+                    # the same ratio from each repeat's pair (copy, implementation run back to back), median over
+                    # repeats: less sensitive to a load that changes during the run than the ratio of the minima
+                    paired = statistics.median(
+                        (nbytes / impl_s) / (copy_bytes / c_s) for c_s, impl_s in zip(samples[0], samples[1])
+                    )
                     results.append(dict(
                         base, mode=mode, impl=impl_name, ms=seconds * 1e3, gbs=gbs, frac_copy=gbs / pair_copy_gbs,
-                        copy_gbs=pair_copy_gbs,
+                        frac_copy_paired=paired, copy_gbs=pair_copy_gbs,
                     ))
             del t
     by_key = {}
@@ -266,14 +278,14 @@ def run(args):
         for ref in ("hf_eager", "liger", "flash_attn"):
             if ref in group and r["impl"].startswith("ftshims"):
                 r[f"x_vs_{ref}"] = group[ref]["ms"] / r["ms"]
-    header = f"{'shape':<8} {'b':>2} {'seq':>6} {'dtype':<9} {'mode':<8} {'impl':<21} {'ms':>9} {'GB/s':>8} {'f_copy':>6} {'vs HF':>6} {'vs Liger':>8} {'vs FA':>6}"
+    header = f"{'shape':<8} {'b':>2} {'seq':>6} {'dtype':<9} {'mode':<8} {'impl':<21} {'ms':>9} {'GB/s':>8} {'f_copy':>6} {'paired':>6} {'vs HF':>6} {'vs Liger':>8} {'vs FA':>6}"
     print(header)
     print("-" * len(header))
     for r in results:
         def ratio(key):
             return f"{r[key]:.2f}x" if key in r else ""
         print(f"{r['shape']:<8} {r['batch']:>2} {r['seq']:>6} {r['dtype']:<9} {r['mode']:<8} {r['impl']:<21} "
-              f"{r['ms']:>9.3f} {r['gbs']:>8.1f} {r['frac_copy']:>6.2f} {ratio('x_vs_hf_eager'):>6} "
+              f"{r['ms']:>9.3f} {r['gbs']:>8.1f} {r['frac_copy']:>6.2f} {r.get('frac_copy_paired', r['frac_copy']):>6.2f} {ratio('x_vs_hf_eager'):>6} "
               f"{ratio('x_vs_liger'):>8} {ratio('x_vs_flash_attn'):>6}")
     load_after = load_average()
     print(f"# load average before {load_before}, after {load_after}")
