@@ -250,7 +250,7 @@ void fill_block(const Params& p, const double* inv, int64_t t0, int64_t nt, A* b
   // Contiguous rows in the half-rotated layout (or one value per pair) are
   // converted with vectors; fp32 rows needing no scale or sign are read in place.
   const bool contiguous = cw == 1 && sw == 1 && (!p.cos_full || !p.interleaved);
-  const bool in_place = std::is_same<A, float>::value && std::is_same<C, float>::value && contiguous &&
+  const bool read_directly = std::is_same<A, float>::value && std::is_same<C, float>::value && contiguous &&
                         p.scaling == 1.0 && !p.conjugate;
   for (int64_t u = 0; u < nt; ++u) {
     const int64_t t = t0 + u;
@@ -270,7 +270,7 @@ void fill_block(const Params& p, const double* inv, int64_t t0, int64_t nt, A* b
     const int64_t second = p.cos_full ? half : 0;
     const int64_t k0 = p.conjugate ? second : 0, k1 = p.conjugate ? 0 : second;
     if constexpr (std::is_same<A, float>::value) {
-      if (in_place) {
+      if (read_directly) {
         ang[u].c0 = reinterpret_cast<const float*>(cp + cbase);
         ang[u].c1 = reinterpret_cast<const float*>(cp + cbase + second);
         ang[u].s0 = reinterpret_cast<const float*>(sp + sbase);
