@@ -35,7 +35,8 @@ from setuptools.command.sdist import sdist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
-SOURCE_NAMES = ("rotary.h", "rotary_op.h", "rotary.cpp", "rotary_cuda.cu")
+CPU_SOURCES = ("rotary.cpp", "rotary_cpu.cpp", "rotary_cpu_avx2.cpp", "rotary_cpu_avx512.cpp")  # link order: see _build.py
+SOURCE_NAMES = ("rotary.h", "rotary_op.h", "rotary_cpu.h") + CPU_SOURCES + ("rotary_cuda.cu",)
 EXT_NAME = "ftshims.kernels._rotary"
 AUTO_PTH = "ftshims-auto.pth"
 
@@ -94,7 +95,7 @@ def _extension_setup():
 
     cuda_home = cpp_extension.CUDA_HOME
     has_toolkit = bool(cuda_home) and os.path.exists(os.path.join(cuda_home, "bin", "nvcc"))
-    sources = [os.path.join("csrc", "rotary.cpp")]
+    sources = [os.path.join("csrc", name) for name in CPU_SOURCES]
     with_cuda, what = flags.plan()  # the JIT build's rule: CUDA kernels only for known architectures
     if torch.version.cuda is not None and has_toolkit and not with_cuda:
         # An ahead-of-time CPU-only library would be loaded in place of a CUDA one on the machine that

@@ -1,4 +1,5 @@
-// ftshims rotary embedding: op schema, argument validation, CPU kernels.
+// ftshims rotary embedding: op schema, argument validation, dispatch (the CPU
+// kernels are in rotary_cpu*.cpp, the CUDA kernels in rotary_cuda.cu).
 //
 // Ops (namespace ftshims, see ftshims/kernels/rotary.py for the public API):
 //   rotary(q, k?, cos?, sin?, inv_freq?, positions?, seqlen_offsets?, cu_seqlens?,
@@ -9,15 +10,10 @@
 // (TORCH_CHECK_VALUE) before any kernel runs.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "rotary.h"
@@ -37,7 +33,7 @@ bool is_storage_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
 
-[[maybe_unused]] int storage_code(at::ScalarType t) {
+int storage_code(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return kF32;
     case at::kHalf: return kF16;
@@ -301,276 +297,7 @@ Launch prepare(const at::Tensor& q, const c10::optional<at::Tensor>& k, const at
   return L;
 }
 
-// ===========================================================================
-// CPU kernels
 namespace {
-
-// bf16 <-> fp32 with the same rounding as c10::BFloat16 (round to nearest even,
-// NaN -> 0x7FC0), written branch-free so that the loops vectorise.
-inline __attribute__((always_inline)) float bf16_load(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline __attribute__((always_inline)) uint16_t bf16_store(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return ((u & 0x7FFFFFFFu) > 0x7F800000u) ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
-}
-
-struct F32Io {
-  using storage = float;
-  static inline __attribute__((always_inline)) float load(float v) { return v; }
-  static inline __attribute__((always_inline)) float store(float v) { return v; }
-};
-struct Bf16Io {
-  using storage = uint16_t;
-  static inline __attribute__((always_inline)) float load(uint16_t v) { return bf16_load(v); }
-  static inline __attribute__((always_inline)) uint16_t store(float v) { return bf16_store(v); }
-};
-
-constexpr int64_t kBlock = 64;
-
-// Contiguous rows (dim stride 1). Values go through small local blocks so the
-// loops vectorise even when out == in (in place).
-template <typename Io>
-inline __attribute__((always_inline)) void rot_half_contig(const typename Io::storage* in,
-                                                             typename Io::storage* out, const float* c0,
-                                                             const float* s0, const float* c1, const float* s1,
-                                                             int64_t half) {
-  for (int64_t i0 = 0; i0 < half; i0 += kBlock) {
-    const int64_t n = std::min(kBlock, half - i0);
-    float a[kBlock], b[kBlock];
-    for (int64_t j = 0; j < n; ++j) {
-      a[j] = Io::load(in[i0 + j]);
-      b[j] = Io::load(in[half + i0 + j]);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      out[i0 + j] = Io::store(a[j] * c0[i0 + j] - b[j] * s0[i0 + j]);
-      out[half + i0 + j] = Io::store(b[j] * c1[i0 + j] + a[j] * s1[i0 + j]);
-    }
-  }
-}
-
-template <typename Io>
-inline __attribute__((always_inline)) void rot_inter_contig(const typename Io::storage* in,
-                                                              typename Io::storage* out, const float* c0,
-                                                              const float* s0, const float* c1, const float* s1,
-                                                              int64_t half) {
-  for (int64_t i0 = 0; i0 < half; i0 += kBlock) {
-    const int64_t n = std::min(kBlock, half - i0);
-    float a[kBlock], b[kBlock];
-    for (int64_t j = 0; j < n; ++j) {
-      a[j] = Io::load(in[2 * (i0 + j)]);
-      b[j] = Io::load(in[2 * (i0 + j) + 1]);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      out[2 * (i0 + j)] = Io::store(a[j] * c0[i0 + j] - b[j] * s0[i0 + j]);
-      out[2 * (i0 + j) + 1] = Io::store(b[j] * c1[i0 + j] + a[j] * s1[i0 + j]);
-    }
-  }
-}
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define FTS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FTS_CLONES
-#endif
-
-FTS_CLONES void rot_half_f32(const float* in, float* out, const float* c0, const float* s0, const float* c1,
-                             const float* s1, int64_t half) {
-  rot_half_contig<F32Io>(in, out, c0, s0, c1, s1, half);
-}
-FTS_CLONES void rot_inter_f32(const float* in, float* out, const float* c0, const float* s0, const float* c1,
-                              const float* s1, int64_t half) {
-  rot_inter_contig<F32Io>(in, out, c0, s0, c1, s1, half);
-}
-FTS_CLONES void rot_half_bf16(const uint16_t* in, uint16_t* out, const float* c0, const float* s0, const float* c1,
-                              const float* s1, int64_t half) {
-  rot_half_contig<Bf16Io>(in, out, c0, s0, c1, s1, half);
-}
-FTS_CLONES void rot_inter_bf16(const uint16_t* in, uint16_t* out, const float* c0, const float* s0,
-                               const float* c1, const float* s1, int64_t half) {
-  rot_inter_contig<Bf16Io>(in, out, c0, s0, c1, s1, half);
-}
-
-// Any dtype, any dim stride.
-template <typename T, typename A>
-void rot_generic(const T* in, T* out, int64_t sd, int64_t od, const A* c0, const A* s0, const A* c1, const A* s1,
-                 int64_t half, bool interleaved) {
-  for (int64_t i = 0; i < half; ++i) {
-    const int64_t i0 = interleaved ? 2 * i : i;
-    const int64_t i1 = interleaved ? 2 * i + 1 : i + half;
-    const A a = static_cast<A>(in[i0 * sd]);
-    const A b = static_cast<A>(in[i1 * sd]);
-    out[i0 * od] = static_cast<T>(a * c0[i] - b * s0[i]);
-    out[i1 * od] = static_cast<T>(b * c1[i] + a * s1[i]);
-  }
-}
-
-template <typename T, typename A>
-inline void rot_row(const T* in, T* out, int64_t sd, int64_t od, const A* c0, const A* s0, const A* c1, const A* s1,
-                    int64_t half, bool interleaved) {
-  if constexpr (std::is_same<A, float>::value && std::is_same<T, float>::value) {
-    if (sd == 1 && od == 1) {
-      (interleaved ? rot_inter_f32 : rot_half_f32)(in, out, c0, s0, c1, s1, half);
-      return;
-    }
-  }
-  if constexpr (std::is_same<A, float>::value && std::is_same<T, c10::BFloat16>::value) {
-    if (sd == 1 && od == 1) {
-      (interleaved ? rot_inter_bf16 : rot_half_bf16)(reinterpret_cast<const uint16_t*>(in),
-                                                     reinterpret_cast<uint16_t*>(out), c0, s0, c1, s1, half);
-      return;
-    }
-  }
-  rot_generic<T, A>(in, out, sd, od, c0, s0, c1, s1, half, interleaved);
-}
-
-// Position of token (b, s): explicit positions, or the index inside its
-// sequence, plus per-row/sequence offsets and the scalar offset.
-inline int64_t token_position(const Params& p, int64_t b, int64_t s) {
-  int64_t pos, row = b;
-  if (p.cu_seqlens.ptr) {
-    int64_t lo = 0, hi = p.nseq - 1;  // largest j with cu[j] <= s
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (load_index(p.cu_seqlens, mid) <= s) lo = mid; else hi = mid - 1;
-    }
-    row = lo;
-    pos = p.positions.ptr ? load_index(p.positions, s * p.positions.stride_s)
-                          : s - load_index(p.cu_seqlens, lo);
-  } else {
-    pos = p.positions.ptr ? load_index(p.positions, b * p.positions.stride_b + s * p.positions.stride_s) : s;
-  }
-  if (p.offsets.ptr) pos += load_index(p.offsets, row);
-  return pos + p.offset;
-}
-
-inline void angle(float pos_f, float f, float& c, float& s) {
-  // fp32 product with its rounding error recovered by an fma, so the phase is
-  // that of position * inv_freq exactly (not of its fp32 rounding).
-  // |lo| <= ulp(hi)/2 (<= 0.5 for positions below 2^24): cos/sin of lo by their
-  // Taylor series, accurate to 1e-7 over that whole range.
-  const float hi = pos_f * f;
-  const float lo = std::fma(pos_f, f, -hi);
-  const float ch = std::cos(hi), sh = std::sin(hi);
-  const float l2 = lo * lo;
-  const float cl = 1.0f - l2 * (0.5f - l2 * (1.0f / 24.0f - l2 * (1.0f / 720.0f)));
-  const float sl = lo * (1.0f - l2 * (1.0f / 6.0f - l2 * (1.0f / 120.0f - l2 * (1.0f / 5040.0f))));
-  c = ch * cl - sh * sl;
-  s = sh * cl + ch * sl;
-}
-inline void angle(double pos_f, double f, double& c, double& s) {
-  const double a = pos_f * f;
-  c = std::cos(a);
-  s = std::sin(a);
-}
-
-template <typename A, typename C>
-void fill_angles(const Params& p, int64_t b, int64_t s, A* c0, A* s0, A* c1, A* s1) {
-  const int64_t half = p.half;
-  const A scale = static_cast<A>(p.scaling);
-  const A sign = p.conjugate ? A(-1) : A(1);
-  if (p.mode == kInvFreq) {
-    const A pos = static_cast<A>(token_position(p, b, s));
-    for (int64_t i = 0; i < half; ++i) {
-      A c, sn;
-      angle(pos, static_cast<A>(p.inv_freq[i * p.inv_freq_stride]), c, sn);
-      c0[i] = c1[i] = c * scale;
-      s0[i] = s1[i] = sn * scale * sign;
-    }
-    return;
-  }
-  int64_t cbase, sbase;
-  if (p.mode == kCosTable) {
-    const int64_t row = token_position(p, b, s);
-    cbase = row * p.cos_stride[0];
-    sbase = row * p.sin_stride[0];
-  } else {
-    cbase = b * p.cos_stride[0] + s * p.cos_stride[1];
-    sbase = b * p.sin_stride[0] + s * p.sin_stride[1];
-  }
-  const C* cp = static_cast<const C*>(p.cos);
-  const C* sp = static_cast<const C*>(p.sin);
-  const int64_t cw = p.cos_stride[2], sw = p.sin_stride[2];
-  for (int64_t i = 0; i < half; ++i) {
-    int64_t j0 = i, j1 = i;
-    if (p.cos_full) {
-      j0 = p.interleaved ? 2 * i : i;
-      j1 = p.interleaved ? 2 * i + 1 : i + half;
-    }
-    c0[i] = static_cast<A>(cp[cbase + j0 * cw]) * scale;
-    c1[i] = static_cast<A>(cp[cbase + j1 * cw]) * scale;
-    // conjugate = the transposed map: out0 = a c0 + b s1, out1 = b c1 - a s0
-    // (for a true rotation s0 == s1 and this is the inverse rotation).
-    const int64_t k0 = p.conjugate ? j1 : j0, k1 = p.conjugate ? j0 : j1;
-    s0[i] = static_cast<A>(sp[sbase + k0 * sw]) * scale * sign;
-    s1[i] = static_cast<A>(sp[sbase + k1 * sw]) * scale * sign;
-  }
-}
-
-// Tokens are processed in blocks: the angles of a block are computed once,
-// then every head of q and k is rotated block-row by block-row. This keeps the
-// sincos work per token (not per head) and reads memory in long runs whether
-// the heads or the tokens are adjacent in memory ([b, s, h, d] or [b, h, s, d]).
-constexpr int64_t kTokenBlock = 32;
-
-template <typename T, typename C>
-void cpu_kernel(const Params& p) {
-  using A = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
-  const int64_t tokens = p.batch * p.seq;
-  const int64_t blocks = (tokens + kTokenBlock - 1) / kTokenBlock;
-  const int64_t half = p.half;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> buf(4 * half * kTokenBlock);
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t t0 = blk * kTokenBlock;
-      const int64_t nt = std::min(kTokenBlock, tokens - t0);
-      for (int64_t u = 0; u < nt; ++u) {
-        const int64_t t = t0 + u;
-        A* c0 = buf.data() + 4 * half * u;
-        fill_angles<A, C>(p, t / p.seq, t % p.seq, c0, c0 + half, c0 + 2 * half, c0 + 3 * half);
-      }
-      for (int j = 0; j < p.nx; ++j) {
-        const TensorRef& r = p.x[j];
-        for (int64_t h = 0; h < r.heads; ++h) {
-          for (int64_t u = 0; u < nt; ++u) {
-            const int64_t t = t0 + u;
-            const int64_t b = t / p.seq, s = t % p.seq;
-            const T* in = static_cast<const T*>(r.in) + b * r.in_stride[0] + s * r.in_stride[1] + h * r.in_stride[2];
-            T* out = static_cast<T*>(r.out) + b * r.out_stride[0] + s * r.out_stride[1] + h * r.out_stride[2];
-            const A* c0 = buf.data() + 4 * half * u;
-            rot_row<T, A>(in, out, r.in_stride[3], r.out_stride[3], c0, c0 + half, c0 + 2 * half, c0 + 3 * half, half,
-                          p.interleaved);
-          }
-        }
-      }
-    }
-  });
-}
-
-template <typename T>
-void cpu_dispatch_cos(const Launch& L) {
-  if (L.params.mode == kInvFreq || L.cos_is_float) {
-    cpu_kernel<T, float>(L.params);
-  } else {
-    cpu_kernel<T, T>(L.params);
-  }
-}
-
-void run_cpu(const Launch& L) {
-  if (L.empty) return;
-  switch (L.dtype) {
-    case at::kFloat: cpu_dispatch_cos<float>(L); break;
-    case at::kDouble: cpu_dispatch_cos<double>(L); break;
-    case at::kBFloat16: cpu_dispatch_cos<c10::BFloat16>(L); break;
-    case at::kHalf: cpu_dispatch_cos<c10::Half>(L); break;
-    default: TORCH_CHECK_VALUE(false, "rotary: unsupported dtype ", L.dtype);
-  }
-}
 
 void run(const at::Tensor& q, const Launch& L) {
   if (L.empty) return;
@@ -583,7 +310,9 @@ void run(const at::Tensor& q, const Launch& L) {
 #endif
   }
   TORCH_CHECK_VALUE(q.device().is_cpu(), "rotary: unsupported device ", q.device());
-  run_cpu(L);
+  TORCH_CHECK_VALUE(L.dtype == at::kFloat || L.dtype == at::kDouble || L.dtype == at::kBFloat16 || L.dtype == at::kHalf,
+                    "rotary: unsupported dtype ", L.dtype);
+  run_cpu(L.params, storage_code(L.dtype), L.cos_is_float);
 }
 
 // A fresh CPU output of many megabytes would be faulted in 4 KiB page by page
@@ -635,6 +364,9 @@ void rotary_in_place(const at::Tensor& q, const c10::optional<at::Tensor>& k, co
   run(q, L);
 }
 
+// Build facts, for diagnostics: which instruction set the CPU kernel runs with here.
+std::string cpu_isa_info() { return cpu_isa(); }
+
 // Build facts, for diagnostics: which backends this binary carries.
 std::string build_info() {
 #ifdef FTSHIMS_WITH_CUDA
@@ -656,6 +388,7 @@ TORCH_LIBRARY_FRAGMENT(ftshims, m) {
   m.def("rotary(Tensor q, Tensor? k, " FTSHIMS_ROTARY_ARGS ") -> Tensor[]");
   m.def("rotary_(Tensor(a!) q, Tensor(b!)? k, " FTSHIMS_ROTARY_ARGS ") -> ()");
   m.def("rotary_build_info() -> str", &ftshims_rotary::build_info);
+  m.def("rotary_cpu_isa() -> str", &ftshims_rotary::cpu_isa_info);
 }
 
 TORCH_LIBRARY_IMPL(ftshims, CPU, m) {

@@ -65,6 +65,21 @@ struct Params {
 // Storage dtype of q/k, for the CUDA entry point (which sees no ATen types).
 enum StorageCode : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3 };
 
+// rotary_cpu*.cpp: the CPU kernels, on torch's intra-op thread pool, for the
+// instruction set chosen once per process (cpu_isa(): "avx512", "avx2" or
+// "default", the build's own flags).
+void run_cpu(const Params& p, int32_t storage, bool cos_is_float);
+const char* cpu_isa();
+
+// The AVX2 and AVX-512 builds of the CPU kernel exist for x86-64 with GCC (they
+// switch the instruction set on by pragma); elsewhere the build's own flags
+// serve alone (NEON on aarch64 through torch's Vectorized).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define FTSHIMS_CPU_X86_KERNELS 1
+#else
+#define FTSHIMS_CPU_X86_KERNELS 0
+#endif
+
 #ifdef FTSHIMS_WITH_CUDA
 // rotary_cuda.cu: launch on the current stream of `device`. `cos_is_float`:
 // cos/sin are fp32 (otherwise they have the storage dtype).

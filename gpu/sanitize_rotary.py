@@ -4,7 +4,9 @@ Variants: storage dtype (fp32, fp16, bf16, fp64) x layout (half, interleaved) x
 vectorised / scalar path (aligned contiguous rows vs misaligned or strided) x
 angle source (inv_freq, cos table in x's dtype and in fp32, per-token cos) x
 q only / q+k, plus varlen with empty sequences, offsets, in place, partial dims,
-and the backward. Shapes are odd on purpose so block tails are exercised.
+and the backward, and rotary_dim/2 above the shared-memory slice of 1024 pairs
+(two passes per token; values checked against the CPU kernel). Shapes are odd
+on purpose so block tails are exercised.
 Prints "SANITIZE <n> launches" at the end.
 """
 
@@ -69,6 +71,21 @@ def main(dev: str = "cuda") -> None:
     big = torch.randn(3, 1031, 8, 128, generator=gen).to(dev, torch.bfloat16)
     rotary.apply_rotary(big, rope_theta=1e4)
     launches += 1
+    # rotary_dim/2 above the kernel's shared-memory slice (1024 pairs): two passes per token, vector and scalar
+    # paths; the values are checked against the CPU kernel too
+    for dtype, half in ((torch.bfloat16, 1104), (torch.float32, 1100), (torch.float64, 1030)):
+        x = torch.randn(2, 3, 2, 2 * half + 2, generator=gen, dtype=torch.float64).to(dtype)
+        pos = torch.randint(0, 5000, (2, 3), generator=gen)
+        cos = torch.randn(5000, half, generator=gen).to(dtype)
+        sin = torch.randn(5000, half, generator=gen).to(dtype)
+        for kw in (dict(rope_theta=1e4), dict(cos=cos, sin=sin)):
+            for inter in (False, True):
+                want = rotary.apply_rotary(x, pos, rotary_dim=2 * half, interleaved=inter, backend="cpu", **kw)
+                kw_dev = {n: (v.to(dev) if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+                got = rotary.apply_rotary(x.to(dev), pos.to(dev), rotary_dim=2 * half, interleaved=inter, backend=dev, **kw_dev)
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                assert torch.allclose(got.cpu().double(), want.double(), rtol=tol, atol=tol), (dtype, half, inter, kw.keys())
+                launches += 1
     if dev == "cuda":
         torch.cuda.synchronize()
     print(f"SANITIZE {launches} launches")

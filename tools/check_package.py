@@ -35,12 +35,16 @@ WHEEL_MUST_HAVE = [
     "ftshims/kernels/_csrc/rotary.h",
     "ftshims/kernels/_csrc/rotary_op.h",
     "ftshims/kernels/_csrc/rotary.cpp",
+    "ftshims/kernels/_csrc/rotary_cpu.h",
+    "ftshims/kernels/_csrc/rotary_cpu.cpp",
+    "ftshims/kernels/_csrc/rotary_cpu_avx2.cpp",
+    "ftshims/kernels/_csrc/rotary_cpu_avx512.cpp",
     "ftshims/kernels/_csrc/rotary_cuda.cu",
     "ftshims/doctor/__main__.py",
 ]
 CHECKOUT = (ROOT / "ftshims").resolve()
 SDIST_MUST_HAVE = ["setup.py", "pyproject.toml", "README.md", "CHANGELOG.md", "ftshims-auto.pth",
-                   "csrc/rotary.cpp", "csrc/rotary_cuda.cu", "ftshims/data/stacks.toml"]
+                   "csrc/rotary.cpp", "csrc/rotary_cpu.cpp", "csrc/rotary_cuda.cu", "ftshims/data/stacks.toml"]
 
 
 def _one(dist: Path, pattern: str) -> Path:

@@ -9,6 +9,11 @@ the CPU wheel lacks. Also compiles ``csrc/rotary.cpp`` with
 ``-DFTSHIMS_WITH_CUDA`` (``-fsyntax-only``) so the CUDA registration block is
 checked too. Prints ptxas register/spill figures; fails on any error or spill.
 
+It also reads the PTX of every architecture: each vectorised kernel instance
+(``rotary_kernel<..., VEC=true>``) must move q and k with 16-byte global loads
+and stores only (``ld/st.global.v4.u32``-class), the memory pattern the kernel
+is written for; a change that lets the compiler split them fails here.
+
     python tools/nvcc_compile_check.py            # nvcc from PATH or $CUDA_HOME/bin
 """
 
@@ -25,6 +30,30 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+_ENTRY = re.compile(r"\.entry\s+(\S+)\(")
+_KERNEL = re.compile(r"rotary_kernelI.*?Li(\d+)ELb([01])ELb([01])E")  # <T, C, P, INTER, VEC>
+_LD16 = re.compile(r"ld\.global(?:\.nc)?\.(?:v4\.(?:u32|b32|f32|s32)|v2\.(?:u64|b64|f64))")
+_ST16 = re.compile(r"st\.global\.(?:v4\.(?:u32|b32|f32|s32)|v2\.(?:u64|b64|f64))")
+
+
+def vector_access_report(ptx: str) -> tuple:
+    """(vectorised kernels checked, problems) for one PTX file."""
+    checked, problems = 0, []
+    for body in re.split(r"\n(?=\.(?:visible|weak) \.entry|\.entry)", ptx):
+        entry = _ENTRY.search(body)
+        kernel = _KERNEL.search(entry.group(1)) if entry else None
+        if kernel is None or kernel.group(3) != "1":
+            continue
+        checked += 1
+        interleaved = kernel.group(2) == "1"
+        loads16, stores16 = len(_LD16.findall(body)), len(_ST16.findall(body))
+        stores = len(re.findall(r"st\.global", body))
+        want = 1 if interleaved else 2  # one vector of pairs, or one per half
+        if loads16 < want or stores16 < want or stores != stores16:
+            problems.append(f"{entry.group(1)}: {loads16} 16-byte loads, {stores16} 16-byte stores of {stores} "
+                            f"global stores (want >= {want}, all stores 16-byte)")
+    return checked, problems
 
 
 def main(argv=None) -> int:
@@ -44,8 +73,10 @@ def main(argv=None) -> int:
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in args.arch]
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
+        keep = os.path.join(tmp, "keep")
+        os.makedirs(keep)
         cmd = [nvcc, "-c", str(REPO / "csrc" / "rotary_cuda.cu"), "-o", os.path.join(tmp, "rotary_cuda.o"), std, "-O3",
-               "-Xptxas", "-v", "--expt-relaxed-constexpr"] + defines + includes + gencode
+               "-Xptxas", "-v", "--expt-relaxed-constexpr", "--keep", "--keep-dir", keep] + defines + includes + gencode
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         seconds = time.time() - t0
@@ -58,6 +89,17 @@ def main(argv=None) -> int:
         print(f"nvcc {' '.join('sm_' + a for a in args.arch)}: rc={proc.returncode} {seconds:.1f}s, "
               f"{len(regs)} kernels, max {max(regs, default=0)} registers, {sum(1 for s in spills if s)} with spills")
         if any(spills):
+            failed = True
+        ptx_files = sorted(Path(keep).glob("*.ptx"))
+        checked, problems = 0, []
+        for ptx in ptx_files:
+            c, p = vector_access_report(ptx.read_text(errors="replace"))
+            checked += c
+            problems += [f"{ptx.name}: {x}" for x in p]
+        print(f"ptx: {len(ptx_files)} files, {checked} vectorised kernels, {len(problems)} without 16-byte loads/stores only")
+        for problem in problems:
+            print("  " + problem)
+        if proc.returncode == 0 and (not ptx_files or checked == 0 or problems):
             failed = True
         cxx = os.environ.get("CXX", "c++")
         host = [cxx, "-fsyntax-only", str(REPO / "csrc" / "rotary.cpp"), std, "-DFTSHIMS_WITH_CUDA"] + includes

@@ -45,10 +45,16 @@ from typing import Dict, List, Optional, Tuple
 log = logging.getLogger("ftshims")
 
 _LOCK = threading.Lock()
-_STATE: Dict[str, object] = {"tried": False, "loaded": False, "how": None, "reason": None, "cuda": False, "build": None}
+_STATE: Dict[str, object] = {
+    "tried": False, "loaded": False, "how": None, "reason": None, "cuda": False, "build": None, "cpu_isa": None,
+}
 
 HERE = Path(__file__).resolve().parent
-SOURCE_NAMES = ("rotary.h", "rotary_op.h", "rotary.cpp", "rotary_cuda.cu")
+# The C++ sources in link order: rotary.cpp (baseline flags) must come first, so that the inline functions of
+# headers that every object emits are taken from it and never from the AVX2/AVX-512 builds of the CPU kernel
+# (GNU ld, gold and lld keep the first copy), which would run them on CPUs without those instructions.
+CPU_SOURCES = ("rotary.cpp", "rotary_cpu.cpp", "rotary_cpu_avx2.cpp", "rotary_cpu_avx512.cpp")
+SOURCE_NAMES = ("rotary.h", "rotary_op.h", "rotary_cpu.h") + CPU_SOURCES + ("rotary_cuda.cu",)
 
 
 def source_dir() -> Optional[Path]:
@@ -60,7 +66,9 @@ def source_dir() -> Optional[Path]:
 
 
 def cflags(with_cuda: bool) -> List[str]:
-    flags = ["-O3"]  # the C++ standard is torch's choice (C++17 for 2.13, C++20 for 2.14)
+    # The C++ standard is torch's choice (C++17 for 2.13, C++20 for 2.14). No contraction of a*b - c*d into
+    # fused multiply-adds: the CPU kernel's products and sums are rounded as the reference's are.
+    flags = ["-O3", "-ffp-contract=off"]
     if sys.platform.startswith("linux"):
         flags.append("-fopenmp")  # at::parallel_for is inline OpenMP: without it the CPU kernel runs serially
     if with_cuda:
@@ -94,6 +102,16 @@ def _has_cuda_kernels() -> bool:
         return "cuda" in torch.ops.ftshims.rotary_build_info()
     except (AttributeError, RuntimeError):
         return False
+
+
+def _cpu_isa() -> Optional[str]:
+    """The instruction set the CPU kernel runs with here: "avx512", "avx2" or "default" (None: a library without it)."""
+    import torch
+
+    try:
+        return str(torch.ops.ftshims.rotary_cpu_isa())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _aot_library() -> Optional[Path]:
@@ -229,7 +247,7 @@ def jit_build(verbose: bool = False, with_cuda: Optional[bool] = None) -> Path:
     key = build_key(sources, with_cuda)
     name = f"ftshims_rotary_{key}"
     build_dir = cache_root() / name
-    files = [str(sources / "rotary.cpp")] + ([str(sources / "rotary_cuda.cu")] if with_cuda else [])
+    files = [str(sources / name) for name in CPU_SOURCES] + ([str(sources / "rotary_cuda.cu")] if with_cuda else [])
     with _FileLock(cache_root() / f"{name}.lock"):
         build_dir.mkdir(parents=True, exist_ok=True)
         baton = build_dir / "lock"
@@ -295,6 +313,7 @@ def load(jit: bool = True) -> bool:
 
             _ops.register_python_parts()
             _STATE["cuda"] = _has_cuda_kernels()
+            _STATE["cpu_isa"] = _cpu_isa()
             _STATE["reason"] = None
         else:
             _STATE["reason"] = "; ".join(reasons)
@@ -321,6 +340,8 @@ def has_cuda_kernels() -> bool:
 
 def status() -> Dict[str, object]:
     """What happened when loading: ``loaded``, ``how``, ``reason`` (when not loaded), ``cuda`` (the loaded library
-    has CUDA kernels) and ``build`` (for a JIT build: which kernels it compiles and why, from :func:`plan`)."""
+    has CUDA kernels), ``cpu_isa`` (the instruction set its CPU kernel runs with here: ``avx512``, ``avx2`` or
+    ``default``, chosen as torch chooses its own, ``ATEN_CPU_CAPABILITY`` included) and ``build`` (for a JIT
+    build: which kernels it compiles and why, from :func:`plan`)."""
     with _LOCK:
         return dict(_STATE)

@@ -191,3 +191,29 @@ def test_a_failed_build_names_the_line_of_the_log_that_says_why():
     )
     assert _build._describe(IndexError("list index out of range")) == "IndexError: list index out of range"
     assert _build._describe(IndexError()) == "IndexError"
+
+
+def test_the_ptx_check_flags_split_or_missing_16_byte_accesses():
+    """tools/nvcc_compile_check.py reads each vectorised kernel's PTX: 16-byte loads and stores pass, a store split
+    into 2-byte pieces (what the compiler made of a struct copy before store16) or a kernel without 16-byte loads
+    fails."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import nvcc_compile_check as check
+    finally:
+        sys.path.pop(0)
+    name = "_ZN14ftshims_rotary12_GLOBAL__N_113rotary_kernelIN3c108BFloat16ES3_Li8ELb0ELb1EEEvNS_6ParamsEl"
+    scalar = name.replace("Li8ELb0ELb1E", "Li1ELb0ELb0E")
+
+    def entry(kernel, body):
+        return f".visible .entry {kernel}(\n.param .u64 p\n)\n{{\n{body}\n}}\n"
+
+    good = ("ld.global.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];\nld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd2];\n"
+            "st.global.v4.u32 [%rd3], {%r1, %r2, %r3, %r4};\nst.global.v4.u32 [%rd4], {%r5, %r6, %r7, %r8};")
+    split = good.replace("st.global.v4.u32 [%rd4], {%r5, %r6, %r7, %r8};",
+                         "st.global.v2.u16 [%rd4], {%rs1, %rs2};\nst.global.v2.u16 [%rd4+4], {%rs3, %rs4};")
+    scalar_loads = good.replace("ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd2];", "ld.global.u16 %rs9, [%rd2];")
+    assert check.vector_access_report(entry(name, good) + entry(scalar, "st.global.u16 [%rd1], %rs1;")) == (1, [])
+    for bad in (split, scalar_loads):
+        checked, problems = check.vector_access_report(entry(name, bad))
+        assert checked == 1 and len(problems) == 1, problems
