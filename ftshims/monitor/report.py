@@ -32,6 +32,7 @@ class Run:
         self.header = next((r for r in records if r.get("type") == "header"), {})
         self.summary = next((r for r in records if r.get("type") == "summary"), None)
         self.findings = [r for r in records if r.get("type") == "finding"]
+        self.skips = [r for r in records if r.get("type") == "skip"]
         self.file = records[0].get("_file", "") if records else ""
         self.rank = self.header.get("rank", records[0].get("rank", 0) if records else 0)
         steps = [r for r in records if r.get("type") == "step"]
@@ -72,6 +73,10 @@ def summary_text(runs: List[Run]) -> str:
                 if bad:
                     text += f"; non-finite at {len(bad)} step(s) from step {bad[0]}"
                 lines.append(text)
+        if run.skips:
+            lines.append(f"  {len(run.skips)} update(s) skipped (policy skip): " + ", ".join(
+                f"step {r.get('step')} ({', '.join(r.get('reasons') or [])}; by {r.get('by')})" for r in run.skips[:20])
+                + (" ..." if len(run.skips) > 20 else ""))
         if not run.findings:
             lines.append("  no findings")
         for f in run.findings:

@@ -46,6 +46,7 @@ class _Spike(Detector):
             spread = 1.4826 * median(abs(v - mid) for v in self.history)
             threshold = mid + max(mon.options["spike_sigmas"] * spread, self.floor * abs(mid))
             if value > threshold:
+                mon.note_spike(self.code, step)  # policy "skip" drops this step's update
                 if not self.in_episode and mon.seen(self.code) < MAX_FINDINGS:
                     mon.report(self.code, step,
                                f"the {self.what} jumped to {value:.4g} (median of the last {len(self.history)} steps "
