@@ -297,6 +297,7 @@ class Monitor:
         self._outer_optimizer = optimizer
         self._restore_step = None  # (optimizer, original step attribute or None) while the step is wrapped
         self._last_view: Optional["StepView"] = None  # the view of the step being judged (skip decisions)
+        self.hooks_updates = False  # an optimizer step post-hook is registered (the update statistics)
         if self.skip_codes:
             self.read_each_step = True  # a skip is decided before the update: one read per step (opt-in cost)
         path = self.options["log"] or parse_monitor_log()
@@ -317,6 +318,9 @@ class Monitor:
         if inner is not None and hasattr(inner, "register_step_pre_hook"):
             self._handles.append(inner.register_step_pre_hook(self._optimizer_pre_hook))
             self.optimizer = inner
+        if inner is not None and hasattr(inner, "register_step_post_hook") and self.detectors.updated:
+            self._handles.append(inner.register_step_post_hook(self._optimizer_post_hook))
+            self.hooks_updates = True
         self._zero = deepspeed_optimizer(model, optimizer)
         if self._zero is not None:
             self._attach_deepspeed()
@@ -425,6 +429,13 @@ class Monitor:
             micro.floats["loss"] = loss.detach()
         for detector in self.detectors.output:
             detector.output(self, micro, output)
+        return None
+
+    def _optimizer_post_hook(self, optimizer, args, kwargs):
+        """Right after the update (not called for a step the skip defence dropped): the update statistics."""
+        if not self._busy and not self._closed:
+            for detector in self.detectors.updated:
+                detector.updated(self)
         return None
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
@@ -683,9 +694,10 @@ class Monitor:
         """The Trainer's ``on_log``: its numbers to the JSONL, its loss to loss_spike when the model returns none."""
         if self.writer is not None:
             self.writer.log(step, logs)
-        spike = self.detectors.by_code.get("loss_spike")
-        if spike is not None:
-            spike.logged(self, step, logs)
+        for code in ("loss_spike", "loss_diverging"):
+            detector = self.detectors.by_code.get(code)
+            if detector is not None:
+                detector.logged(self, step, logs)
 
     # -- reading ----------------------------------------------------------------------------------
 

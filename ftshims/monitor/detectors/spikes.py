@@ -78,6 +78,8 @@ class LossSpike(_Spike):
 
     def logged(self, mon, step: int, logs) -> None:
         """The Trainer's logged loss, used only when the model returns none (TRL's DPO, custom compute_loss)."""
+        if any("loss" in micro.floats for micro in mon._pending):  # not read yet (an accelerator), but there
+            self.model_losses = True
         if not self.model_losses and isinstance(logs.get("loss"), (int, float)):
             self.observe(mon, step, float(logs["loss"]))
 
