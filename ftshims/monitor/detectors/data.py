@@ -33,8 +33,9 @@ the shares are judged over every batch checked so far, once the first
   batch, by the attention mask or the pad runs) and no scored label in any checked batch is an EOS id (the
   tokenizer's, the config's or the generation config's), whatever the pad token is: the model is never
   trained to emit EOS and generates until max_new_tokens. Fixed-length chunks and packed rows (no row
-  shorter than another), encoders and encoder-decoders are not judged. With pad = EOS it names the catalogue
-  entries that mask EOS with the padding (``eos_never_target`` then stays silent: the same cause).
+  shorter than another), encoders and encoder-decoders are not judged. With pad = EOS and EOS among the
+  attended inputs, a collator masked the real EOS with the padding: that is ``eos_never_target``'s finding
+  (it names the catalogue's fixes), and this one stays out.
 
 :class:`SpecialTokenInvalid` (``special_token_invalid``, at train begin): a BOS/EOS id
 of the tokenizer or the model's config outside the embedding's rows (a token added
@@ -187,7 +188,7 @@ class DataChecks(Detector):
             ints["d_scored"] = scored.sum()
             ints["d_padlab"] = (scored & padding).sum()
         if self.on["no_eos_target"] and self.stop:
-            self._stop_labels(labels, scored, per_row, mask, pad_runs, ints)
+            self._stop_labels(ids, labels, scored, per_row, mask, pad_runs, ints)
         if self.on["rows_truncated"] and self.eos:
             if mask is not None:
                 lengths = mask.sum(-1)
@@ -212,7 +213,7 @@ class DataChecks(Detector):
             ints["d_cut"] = (has & full & ~ends_eos).sum()
             ints["d_longest"] = longest
 
-    def _stop_labels(self, labels, scored, per_row, mask, pad_runs, ints) -> None:
+    def _stop_labels(self, ids, labels, scored, per_row, mask, pad_runs, ints) -> None:
         """Scored labels that are an EOS id, and rows shorter than the longest of their batch (device counts)."""
         if mask is not None:
             lengths = mask.sum(-1)
@@ -225,6 +226,10 @@ class DataChecks(Detector):
         for other in self.stop[1:]:
             stop = stop | targets.eq(other)
         has = per_row.gt(0)
+        if self.pad is not None and self.pad in self.stop and mask is not None:
+            # attended EOS in the inputs with pad = EOS: a collator masked them with the padding, which is
+            # eos_never_target's finding (it names the catalogue's fixes); this one stays out of it
+            ints["d_eos_in"] = (ids.eq(self.pad) & mask).sum()
         ints["d_eos_scored"] = (stop & scored).sum()
         ints["d_vrows"] = has.sum()
         ints["d_vshort"] = (has & lengths.lt(lengths.max())).sum()
@@ -309,17 +314,14 @@ class DataChecks(Detector):
                        "raise max_length or truncate the prompt instead, and drop rows without targets",
                        candidates, {"rows_without_target": empty, "rows": lrows, "fraction": _share(empty, lrows)})
         vrows, vshort, stops = c.get("d_vrows", 0), c.get("d_vshort", 0), c.get("d_eos_scored", 0)
-        if vrows and vshort and not stops and "d_eos_scored" in c:
+        if vrows and vshort and not stops and not c.get("d_eos_in") and "d_eos_scored" in c:
             pad_is_eos = self.pad is not None and self.pad in self.stop
-            candidates = ("eos_label_kept_when_pad_is_eos", "trl_sft_eos_label_masked_when_pad_is_eos") if pad_is_eos else ()
-            why = (f"pad = EOS (id {self.pad}): a collator that sets the labels of pad tokens to -100 masks the real EOS "
-                   "too; keep the last EOS of each row as a label" if pad_is_eos else
-                   "the rows do not end with EOS, or its label is masked; append tokenizer.eos_token to each "
-                   "response (and keep its label)")
             mon.report("no_eos_target", step,
                        f"no scored label is EOS (ids {self.stop}) in {vrows} rows {batches}, {vshort} of them padded "
                        f"(shorter than their batch): the model is never trained to stop and generates until "
-                       f"max_new_tokens; {why}", candidates,
+                       "max_new_tokens; the rows do not end with EOS"
+                       + (f" (pad = EOS, id {self.pad}: the tokenizer must still append one to each row)" if pad_is_eos
+                          else "") + ": append tokenizer.eos_token to each response and keep its label", (),
                        {"rows": vrows, "padded_rows": vshort, "eos_labels": 0, "eos_ids": self.stop, "pad_id": self.pad})
         trows, cut = c.get("d_trows", 0), c.get("d_cut", 0)
         short, short_eos = c.get("d_short", 0), c.get("d_short_eos", 0)

@@ -171,7 +171,9 @@ class UpdateStats(Detector):
                 break
             if not lr > 0 or lr < 0.5 * base:
                 continue  # warm-up (or a zero learning rate: lr_schedule_cannot_train's)
-            ratios = [d / w for d, w, _, _ in rows if w > 0]
+            ratios = [d / w for d, w, _, moved in rows if w > 0 and moved > 0]  # a tensor without gradient: no step
+            if not ratios:
+                continue  # e.g. LoRA's A at step 1 (B is zero: A's gradient is zero)
             half = [(same, moved) for (_, _, same, moved), i in zip(rows, indices) if self.sample[i][3]]
             moved_half = sum(m for _, m in half)
             self.steps.append({"step": step, "lr": lr, "ratio": statistics.median(ratios) if ratios else None,
