@@ -298,6 +298,7 @@ class Monitor:
         self._restore_step = None  # (optimizer, original step attribute or None) while the step is wrapped
         self._last_view: Optional["StepView"] = None  # the view of the step being judged (skip decisions)
         self.hooks_updates = False  # an optimizer step post-hook is registered (the update statistics)
+        self.eval_forwards = 0  # forwards with gradients on while the model is in eval mode, this step
         if self.skip_codes:
             self.read_each_step = True  # a skip is decided before the update: one read per step (opt-in cost)
         path = self.options["log"] or parse_monitor_log()
@@ -406,6 +407,11 @@ class Monitor:
 
     def _pre_hook(self, module, args, kwargs):
         if not self._training_forward(module):
+            if not module.training and not self._busy and not self._closed:
+                import torch
+
+                if torch.is_grad_enabled():  # a forward that builds a graph, in eval mode: model_in_eval_mode's
+                    self.eval_forwards += 1
             return None
         micro = Micro(self.step, self._index, (args, kwargs))
         self._index += 1
@@ -660,6 +666,7 @@ class Monitor:
         self.steps_done += 1
         self.step = (global_step if global_step is not None else self.step) + 1
         self._index = 0
+        self.eval_forwards = 0
         self._grad_seen.clear()
         if self._grad_hooks and self.steps_done >= self.options["grad_steps"]:
             self._drop_grad_hooks()

@@ -5,7 +5,9 @@ the options), ``step`` (``step``, ``loss``, ``grad_norm``, ``lr``: the monitor's
 per-step values), ``log`` (what the Trainer logged at a logging step), ``finding``
 (a :class:`~ftshims.monitor.findings.Finding`), ``skip`` (policy ``"skip"``: a step whose
 update was not applied: ``step``, ``reasons``, ``by`` (``monitor`` or ``deepspeed``),
-``consecutive``), ``summary`` (at the end; on rank 0 with every rank's codes; ``skipped``:
+``consecutive``), ``updates`` (the update statistics of a sampled step: ``step``, ``lr``, ``ratio``
+the median ||dw||/||w||, ``lost`` the share of unchanged elements with a gradient in bf16/fp16 weights),
+``summary`` (at the end; on rank 0 with every rank's codes; ``skipped``:
 the skipped steps). Every record carries ``rank``. A distributed run writes
 ``<stem>.rank<N><suffix>`` per rank (``run.jsonl`` -> ``run.rank1.jsonl``).
 """
@@ -61,6 +63,9 @@ class JsonlWriter:
     def log(self, step: int, logs: Dict[str, Any]) -> None:
         numbers = {k: _number(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.write({"type": "log", "step": step, **numbers})
+
+    def updates(self, record: Dict[str, Any]) -> None:
+        self.write({"type": "updates", **{k: _number(v) if isinstance(v, float) else v for k, v in record.items()}})
 
     def skip(self, record: Dict[str, Any]) -> None:
         self.write({"type": "skip", **record})

@@ -40,6 +40,7 @@ CODES: Dict[str, Tuple[str, str]] = {
     "updates_vanishing": (WARNING, "the optimizer's steps are negligible next to the weights (||dw||/||w|| below update_ratio_min): a learning rate or clipping far too small"),
     "updates_too_large": (WARNING, "each optimizer step changes the weights by about their own size (||dw||/||w|| above update_ratio_max)"),
     "no_eos_target": (WARNING, "a causal LM trained on padded rows of different lengths in which no scored label is EOS: it never learns to stop"),
+    "model_in_eval_mode": (WARNING, "the optimizer steps after forwards made in eval mode (model.eval() never undone): dropout is off, and the monitor sees no training forward"),
     "trainable_not_in_optimizer": (ERROR, "parameters with requires_grad that are in no optimizer parameter group: they get gradients and never change"),
     # what users get wrong in their data and configuration (checked on the first data_steps steps' batches and
     # every read_every steps after)

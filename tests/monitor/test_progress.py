@@ -8,7 +8,8 @@ cause, and healthy references (several architectures, LoRA, bf16 autocast, left 
   of the elements with a gradient unchanged); fp32 weights with bf16 autocast: silent;
 * padded rows none of which ends with EOS: ``no_eos_target``, whatever the pad token (with pad = EOS and the
   rows' EOS masked by the collator, test_labels.py's eos_never_target names the catalogue's fixes instead);
-* an optimizer built before the LoRA adapters: ``trainable_not_in_optimizer`` at train begin.
+* an optimizer built before the LoRA adapters: ``trainable_not_in_optimizer`` at train begin;
+* a custom loop that evaluated (``model.eval()``) and trains on without ``model.train()``: ``model_in_eval_mode``.
 
 Tiny Llama (vocabulary 128; pad 0, BOS 1, EOS 2), learnable rows of ids 3..127 (runs.corpus).
 """
@@ -217,6 +218,35 @@ def test_healthy_references_no_findings(case):
     result.none()
     monitor = result.callback.monitor
     updates = next(d for d in monitor.detectors.all if type(d).__name__ == "UpdateStats")
-    assert updates.off is None and len(updates.steps) == 3, (updates.off, updates.steps)  # the statistics ran
+    assert updates.off is None and updates.judged_once, (updates.off, updates.steps)  # the statistics ran
     losses = [h["loss"] for h in result.trainer.state.log_history if "loss" in h]
     assert min(losses[-5:]) < losses[0], losses  # it trained
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_custom_loop_left_in_eval_mode(mode):
+    from ftshims import tiny
+    from ftshims.monitor import Monitor
+
+    model = _llama(attention_dropout=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, optimizer, off=["loss_count_mismatch"])
+    model.eval()  # an evaluation before training ...
+    if mode == "train":
+        model.train()  # ... undone
+    for step in range(3):
+        batch = tiny.batch(batch_size=2, seq_len=8, seed=step)
+        loss = model(**batch).loss
+        loss.backward()
+        mon.after_backward(loss)
+        optimizer.step()
+        mon.after_step()
+        optimizer.zero_grad()
+    mon.close()
+    codes = [f.code for f in mon.findings]
+    if mode == "train":
+        assert codes == [], [f.line() for f in mon.findings]
+        return
+    assert codes == ["model_in_eval_mode"], [f.line() for f in mon.findings]
+    finding = mon.findings[0]
+    assert finding.step == 1 and "config.attention_dropout=0.1" in finding.message and "model.train()" in finding.message

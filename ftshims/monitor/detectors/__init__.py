@@ -56,7 +56,7 @@ def all_detectors() -> List[Detector]:
     from .spikes import GradNormSpike, LossSpike
     from .tokens import TokenIdOutOfRange
     from .trainable import FrozenParamChanged, NothingTrainable, TrainableNotInOptimizer, TrainableWithoutGrad
-    from .progress import LossDiverging
+    from .progress import LossDiverging, ModelInEvalMode
     from .updates import UpdateStats
 
     return [
@@ -65,7 +65,7 @@ def all_detectors() -> List[Detector]:
         PackingContaminated(), RopeLowPrecision(), RanksIdenticalBatches(),
         SpecialTokenInvalid(), DataChecks(), LrScheduleCannotTrain(), LossNotMoving(),
         # learning progress from first principles (issue 35)
-        LossDiverging(), UpdateStats(), TrainableNotInOptimizer(),
+        LossDiverging(), UpdateStats(), TrainableNotInOptimizer(), ModelInEvalMode(),
     ]
 
 

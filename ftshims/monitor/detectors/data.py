@@ -32,7 +32,8 @@ the shares are judged over every batch checked so far, once the first
 * ``no_eos_target`` (causal LMs): rows of different lengths (padded: shorter than the longest row of their
   batch, by the attention mask or the pad runs) and no scored label in any checked batch is an EOS id (the
   tokenizer's, the config's or the generation config's), whatever the pad token is: the model is never
-  trained to emit EOS and generates until max_new_tokens. Fixed-length chunks and packed rows (no row
+  trained to emit EOS and generates until max_new_tokens. Judged on the batches of ``data_steps`` steps and
+  at least ``MIN_ROWS`` rows (not at the end of a shorter run). Fixed-length chunks and packed rows (no row
   shorter than another), encoders and encoder-decoders are not judged. With pad = EOS and EOS among the
   attended inputs, a collator masked the real EOS with the padding: that is ``eos_never_target``'s finding
   (it names the catalogue's fixes), and this one stays out.
@@ -55,6 +56,7 @@ DATA_CODES = ("labels_preshifted", "padding_trained_on", "bos_doubled", "rows_wi
               "no_eos_target")
 STOP_IDS = 8  # at most this many EOS ids (tokenizer, config, generation config) are compared
 MIN_COMPARED = 8  # labels_preshifted needs at least this many labels compared
+MIN_ROWS = 8  # no_eos_target needs at least this many rows with targets
 
 
 def bos_id(model, tokenizer) -> Optional[int]:
@@ -314,7 +316,10 @@ class DataChecks(Detector):
                        "raise max_length or truncate the prompt instead, and drop rows without targets",
                        candidates, {"rows_without_target": empty, "rows": lrows, "fraction": _share(empty, lrows)})
         vrows, vshort, stops = c.get("d_vrows", 0), c.get("d_vshort", 0), c.get("d_eos_scored", 0)
-        if vrows and vshort and not stops and not c.get("d_eos_in") and "d_eos_scored" in c:
+        # evidence of a training run: the batches of data_steps optimizer steps and MIN_ROWS rows (a run of one or
+        # two steps, such as the zoo gate's, says nothing about how the data end)
+        enough = len(self.judged_steps) >= opts["data_steps"] and vrows >= MIN_ROWS
+        if enough and vshort and not stops and not c.get("d_eos_in") and "d_eos_scored" in c:
             pad_is_eos = self.pad is not None and self.pad in self.stop
             mon.report("no_eos_target", step,
                        f"no scored label is EOS (ids {self.stop}) in {vrows} rows {batches}, {vshort} of them padded "

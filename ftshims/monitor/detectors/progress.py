@@ -166,3 +166,51 @@ class LossDiverging(Detector):
                    {"loss": loss, "threshold": threshold, "criterion": which, "early_level": early,
                     "uniform_loss": guess, "classes": self.classes, "steps": [s for s, _ in self.run],
                     "losses": values, "lr": lr})
+
+
+class ModelInEvalMode(Detector):
+    """``model_in_eval_mode``: an optimizer step whose forwards ran with the model in eval mode (``model.training``
+    False, gradients on) and none in train mode: a custom loop that evaluated (``model.eval()``) and never called
+    ``model.train()`` again. Dropout is then off (and batch-norm statistics frozen), so the run is not the one
+    configured, and every per-batch check of the monitor sees nothing (it watches training forwards). Reported only
+    where train mode changes the computation: a dropout module with p > 0, a config ``*dropout``/``*_pdrop`` > 0
+    (functional dropout), or a batch-norm layer. A host counter, no device work. The Trainer calls
+    ``model.train()`` itself: a custom-loop mistake."""
+
+    codes = ("model_in_eval_mode",)
+
+    def __init__(self):
+        self.done = False
+
+    def grads(self, mon) -> None:
+        if self.done or not mon.eval_forwards or any(m.step == mon.step and m.call is not None for m in mon._pending):
+            return
+        self.done = True
+        changes = _train_mode_changes(mon.model)
+        if not changes:
+            return
+        mon.report("model_in_eval_mode", mon.step,
+                   f"the optimizer stepped after {mon.eval_forwards} forward(s) made with the model in eval mode "
+                   f"(model.training is False, gradients on) and none in train mode: {', '.join(changes[:3])} "
+                   "behave as at inference, and the monitor's per-batch checks see nothing; call model.train() after "
+                   "evaluating", (), {"eval_forwards": mon.eval_forwards, "train_mode_changes": changes[:10]})
+
+
+def _train_mode_changes(model) -> List[str]:
+    """What train mode changes in ``model``: dropout modules with p > 0, config dropout rates > 0, batch norms."""
+    import torch
+
+    from .. import facts
+
+    found: List[str] = []
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    if dropouts:
+        found.append(f"{len(dropouts)} dropout module(s) (p={dropouts[0].p:g})")
+    cfg = facts.config(model)
+    for name, value in sorted((getattr(cfg, "__dict__", None) or {}).items()):
+        if (name.endswith("dropout") or name.endswith("_pdrop") or name.endswith("dropout_prob")) \
+                and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            found.append(f"config.{name}={value:g}")
+    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        found.append("batch norm layers")
+    return found

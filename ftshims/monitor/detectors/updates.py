@@ -13,8 +13,10 @@ out: their ratio is meaningless), ``SAMPLED_ELEMENTS`` evenly strided elements e
 * on the first ``update_every`` optimizer steps and every ``update_every``-th after; read with the monitor's
   read points (the CPU: every step; an accelerator: the Trainer's logging steps), never per step.
 
-Judged over the first ``JUDGED_STEPS`` sampled steps whose learning rate is at least half the schedule's
-base (``initial_lr``; warm-up steps at a tiny rate say nothing), or at the end with fewer:
+Each sampled step is a JSONL ``updates`` record (``ratio``: the median ``||dw||/||w||`` of the sample;
+``lost``: the share of unchanged elements with a gradient in bf16/fp16 tensors). Judged over windows of
+``JUDGED_STEPS`` sampled steps whose learning rate is at least half the schedule's base (``initial_lr``;
+warm-up and the end of a decay say nothing), the whole run long (each code once), or at the end with fewer:
 
 * ``updates_lost``: in bf16/fp16 weights, more than ``lost_share`` of the sampled elements with a non-zero
   gradient did not change. The optimizer adds a step below half the spacing of the weight's format, and
@@ -72,6 +74,7 @@ class UpdateStats(Detector):
         self.results: List[tuple] = []  # (step, lr, base lr, [indices], device tensor [n, 4])
         self.steps: List[Dict[str, Any]] = []  # host summaries of the sampled steps that qualify
         self.done = False
+        self.judged_once = False
         self.keeps_low_bits: List[str] = []
 
     # -- train begin: choose the sample ----------------------------------------------------------------
@@ -167,28 +170,30 @@ class UpdateStats(Detector):
         results, self.results = self.results, []
         values = torch.stack([r[4] for r in results]).tolist()  # one copy for every sampled step since the last read
         for (step, lr, base, indices, _), rows in zip(results, values):
-            if self.done:
-                break
-            if not lr > 0 or lr < 0.5 * base:
-                continue  # warm-up (or a zero learning rate: lr_schedule_cannot_train's)
             ratios = [d / w for d, w, _, moved in rows if w > 0 and moved > 0]  # a tensor without gradient: no step
-            if not ratios:
-                continue  # e.g. LoRA's A at step 1 (B is zero: A's gradient is zero)
             half = [(same, moved) for (_, _, same, moved), i in zip(rows, indices) if self.sample[i][3]]
             moved_half = sum(m for _, m in half)
-            self.steps.append({"step": step, "lr": lr, "ratio": statistics.median(ratios) if ratios else None,
-                               "lost": (sum(s for s, _ in half) / moved_half) if moved_half else None,
-                               "tensors": len(rows)})
+            record = {"step": step, "lr": lr, "ratio": statistics.median(ratios) if ratios else None,
+                      "lost": (sum(s for s, _ in half) / moved_half) if moved_half else None, "tensors": len(ratios)}
+            if mon.writer is not None:
+                mon.writer.updates(record)
+            if not ratios or not lr > 0 or lr < 0.5 * base:
+                continue  # warm-up, a zero learning rate (lr_schedule_cannot_train's), LoRA's A at step 1 (B is zero)
+            self.steps.append(record)
             if len(self.steps) >= JUDGED_STEPS:
                 self.judge(mon)
 
     def close(self, mon) -> None:
-        if not self.done and self.steps:
+        if self.steps and not self.judged_once:
             self.judge(mon)
 
     def judge(self, mon) -> None:
-        self.done = True
-        steps = self.steps
+        """Judge the window of the last JUDGED_STEPS qualifying steps (each code is reported once), then start a
+        new window: the statistics go on for the whole run (a JSONL ``updates`` record per sampled step)."""
+        self.judged_once = True
+        steps, self.steps = self.steps, []
+        if all(mon.seen(code) or code in mon.options["off"] for code in self.codes):
+            self.done = True  # nothing left to report: no more snapshots
         opts = mon.options
         lr = statistics.median(s["lr"] for s in steps)
         where = f"{len(steps)} optimizer step{'s' if len(steps) != 1 else ''} (from step {steps[0]['step']})"
