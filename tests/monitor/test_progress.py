@@ -250,3 +250,40 @@ def test_custom_loop_left_in_eval_mode(mode):
     assert codes == ["model_in_eval_mode"], [f.line() for f in mon.findings]
     finding = mon.findings[0]
     assert finding.step == 1 and "config.attention_dropout=0.1" in finding.message and "model.train()" in finding.message
+
+
+def test_update_statistics_read_nothing_between_read_points():
+    """``read="log"`` (the accelerator path), update statistics on every step: the monitor's code reads no tensor
+    value at steps 2-4 (the hostsync counter sees what would be a synchronisation on a device), and the statistics
+    of those steps arrive at the read point (step 5: ``read_every``)."""
+    from tests.hostsync import SyncCounter
+
+    from ftshims import tiny
+    from ftshims.monitor import Monitor
+
+    model = _llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, optimizer, read="log", read_every=5, update_every=1, off=["loss_count_mismatch"])
+    updates = next(d for d in mon.detectors.all if type(d).__name__ == "UpdateStats")
+    with SyncCounter() as counter:
+        for step in range(1, 6):
+            counter.step(step)
+            batch = tiny.batch(batch_size=2, seq_len=8, seed=step)
+            loss = model(**batch).loss
+            loss.backward()
+            mon.after_backward(loss)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            mon.after_step()
+            optimizer.zero_grad()
+            if step == 4:
+                assert len(updates.results) == 4 and updates.steps == []  # device values, not read yet
+    for step in (2, 3, 4):
+        # the token-id check reads CPU ids by design (free on the host; device-side on an accelerator)
+        ours = {key: n for key, n in counter.counts[step].items()
+                if "ftshims/monitor" in key[1] and "detectors/tokens.py" not in key[1]}
+        assert not ours, (step, ours)
+    assert any("ftshims/monitor" in key[1] for key in counter.counts[5]), "the read point reads (a blind counter?)"
+    assert updates.results == [] and updates.judged_once  # read and judged at step 5
+    mon.close()
+    assert mon.findings == [], [f.line() for f in mon.findings]
