@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import types
 from typing import Any, Dict, List, Optional
 
 from . import catalogue
@@ -389,12 +390,13 @@ class Monitor:
             handle.remove()
         self._handles.clear()
         if self._restore_step is not None:
-            owner, original = self._restore_step
+            owner, original, ours = self._restore_step
             self._restore_step = None
-            if original is None:
-                owner.__dict__.pop("step", None)
-            else:
-                owner.step = original
+            if owner.__dict__.get("step") is ours:  # else something wrapped it since (a scheduler): ours stays, inert
+                if original is None:
+                    owner.__dict__.pop("step", None)
+                else:
+                    owner.step = original
         self._drop_grad_hooks()
         _watch_clipping(self, False)
 
@@ -530,19 +532,22 @@ class Monitor:
         original = inner.__dict__.get("step")  # an instance attribute already there (an LR scheduler's wrapper)
         wrapped = inner.step
 
-        def step(*args, **kwargs):
-            if not self._busy and not self._closed:
+        def step(optimizer, *args, **kwargs):
+            if self._closed:
+                return wrapped(*args, **kwargs)
+            if not self._busy:
                 self.pre_update()  # a no-op when the step pre-hook or the Trainer's event already ran it
             skip = self._skip_step is not None and self._skip_step == self.step
             self._hold_schedule(skip)
             self.last_step_skipped = skip
             if skip:
-                inner.zero_grad(set_to_none=True)  # the poisoned gradients are dropped, on every rank
+                optimizer.zero_grad(set_to_none=True)  # the poisoned gradients are dropped, on every rank
                 return None
             return wrapped(*args, **kwargs)
 
-        inner.step = step
-        self._restore_step = (inner, original)
+        # a bound method, as torch's LR schedulers expect when they wrap optimizer.step (step.__func__)
+        inner.step = types.MethodType(step, inner)
+        self._restore_step = (inner, original, inner.step)
         self._skip_by = "monitor"
 
     def note_spike(self, code: str, step: int) -> None:

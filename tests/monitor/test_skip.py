@@ -119,6 +119,8 @@ def test_custom_loop_skip_leaves_the_optimizer_step_out():
     model = tiny.tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = Monitor(model, optimizer, policy={"nonfinite_grad": "skip"}, off=["loss_count_mismatch"])
+    # a scheduler built after the monitor wraps the monitor's optimizer.step (torch reads step.__func__)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 10)
     batch = tiny.batch(batch_size=2, seq_len=8)
     weight = model.model.layers[0].mlp.down_proj.weight
     skipped = []
@@ -135,11 +137,15 @@ def test_custom_loop_skip_leaves_the_optimizer_step_out():
         if step == 2:
             assert all(p.grad is None for p in model.parameters())  # the poisoned gradients were dropped
         mon.after_step()
+        if not mon.last_step_skipped:  # the custom loop's way to hold the schedule
+            schedule.step()
         optimizer.zero_grad()
     mon.close()
+    assert schedule.last_epoch == 2  # 3 steps, one skipped
     assert skipped == [False, True, False] and [s["reasons"] for s in mon.skipped] == [["nonfinite_grad"]]
     assert [f.code for f in mon.findings] == ["nonfinite_grad"]
-    assert "step" not in optimizer.__dict__  # close() removed the wrapper
+    optimizer.step()  # after close() the monitor's wrapper (inside the scheduler's) passes the call through
+    assert not mon.last_step_skipped
 
 
 def test_skip_policy_is_checked_when_given():
