@@ -79,7 +79,8 @@ class LossDiverging(Detector):
 
     A step is *up* when its loss is above ``max(U, L1) + max(0.5, 0.1 max(U, L1))``, with ``L1`` the first
     step's loss (the weights before any update: worse than both guessing and the start), or above
-    ``max(diverge_factor x E, E + 1)`` (far above its early level). ``diverge_steps``
+    ``max(diverge_factor x E, E + 1)`` (far above its early level; only where ``E`` > 0: an RL objective near or
+    below zero is no cross-entropy). ``diverge_steps``
     consecutive steps up: a finding, once. A run that starts above ``ln C`` (an unusual initialisation) is
     judged against its own start, so it must climb to be flagged. The values are the monitor's per-step
     losses (host values at a read); a model that returns no loss feeds the Trainer's logged loss, judged
@@ -134,13 +135,17 @@ class LossDiverging(Detector):
             self.early.append(loss)
         early = sorted(self.early)[len(self.early) // 2]
         factor = mon.options["diverge_factor"]
-        limits = {"early": max(factor * early, early + 1.0)}
+        # a ratio to the early level means something for a positive loss (a cross-entropy); an RL objective near or
+        # below 0 (GRPO's, a custom compute_loss) is judged against the uniform predictor only, where it has one
+        limits = {"early": max(factor * early, early + 1.0)} if early > 0 else {}
         guess = math.log(self.classes) if (uniform and self.classes) else None
         if guess is not None:
             # against the start: the first step's loss (the weights before any update), which a divergence from
             # step 2 on cannot raise; the median above is the robust level for the factor test
             top = max(guess, self.early[0])
             limits["uniform"] = top + max(0.5, 0.1 * top)
+        if not limits:
+            return
         threshold = min(limits.values())
         if loss <= threshold:
             self.run = []

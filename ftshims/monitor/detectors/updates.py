@@ -101,8 +101,8 @@ class UpdateStats(Detector):
             return
         step = max(1, len(pool) // CANDIDATES)
         candidates = pool[::step][:CANDIDATES]
-        with torch.no_grad():  # one read at train begin: which candidates are not all zero
-            peaks = torch.stack([_local(p).detach().abs().amax().float().cpu() for _, p in candidates]).tolist()
+        with torch.no_grad():  # one read at train begin (one copy per device): which candidates are not all zero
+            peaks = _to_host([_local(p).detach().abs().amax().float() for _, p in candidates])
         nonzero = [c for c, peak in zip(candidates, peaks) if peak > 0]
         step = max(1, len(nonzero) // SAMPLED_TENSORS)
         for name, p in nonzero[::step][:SAMPLED_TENSORS]:
@@ -156,8 +156,10 @@ class UpdateStats(Detector):
                 _, p, stride, _ = self.sample[index]
                 after = _view(p, stride)
                 wide = before.float()
-                rows.append(torch.stack([(after.float() - wide).norm(), wide.norm(),
-                                         (after.eq(before) & moved).sum().float(), moved.sum().float()]))
+                row = torch.stack([(after.float() - wide).norm(), wide.norm(),
+                                   (after.eq(before) & moved).sum().float(), moved.sum().float()])
+                # a model spread over devices: one device for the read (a device-to-device copy, no host sync)
+                rows.append(row if not rows else row.to(rows[0].device, non_blocking=True))
             self.results.append((step, lr, base, [index for index, _, _ in entries], torch.stack(rows)))
 
     # -- at a read: host values, judged ---------------------------------------------------------------
@@ -165,10 +167,8 @@ class UpdateStats(Detector):
     def read(self, mon, view) -> None:
         if not self.results:
             return
-        import torch
-
         results, self.results = self.results, []
-        values = torch.stack([r[4] for r in results]).tolist()  # one copy for every sampled step since the last read
+        values = _to_host([r[4] for r in results])  # one copy per device for every sampled step since the last read
         for (step, lr, base, indices, _), rows in zip(results, values):
             ratios = [d / w for d, w, _, moved in rows if w > 0 and moved > 0]  # a tensor without gradient: no step
             half = [(same, moved) for (_, _, same, moved), i in zip(rows, indices) if self.sample[i][3]]
@@ -238,6 +238,26 @@ class UpdateStats(Detector):
                        f"{opts['update_ratio_max']:g}) at learning rate {lr:.3g}: the weights are overwritten, not "
                        "refined (fine-tuning steps are ~1e-4..1e-2 of the weights); lower the learning rate, and clip "
                        "the gradients (max_grad_norm)", (), detail)
+
+
+def _to_host(tensors) -> list:
+    """Host values of ``tensors`` (0-d: a float; [n, 4]: n rows), in order: one concatenated copy per device."""
+    import torch
+
+    by_device: Dict[Any, List[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    values: list = [None] * len(tensors)
+    for indices in by_device.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices]).tolist()
+        at = 0
+        for i in indices:
+            tensor = tensors[i]
+            part = flat[at: at + tensor.numel()]
+            at += tensor.numel()
+            width = tensor.shape[-1] if tensor.dim() else 1
+            values[i] = part[0] if tensor.dim() == 0 else [part[k: k + width] for k in range(0, len(part), width)]
+    return values
 
 
 def _max_grad_norm(mon) -> Optional[float]:
