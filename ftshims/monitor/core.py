@@ -185,6 +185,15 @@ def deepspeed_optimizer(model, optimizer):
     return None
 
 
+def _sharded(model) -> bool:
+    """Whether the model's parameters are sharded across ranks: FSDP2's DTensors, FSDP1's flat parameters."""
+    for p in model.parameters():
+        name = type(p).__name__
+        if name == "DTensor" or hasattr(p, "_local_tensor") or "FlatParameter" in name:
+            return True
+    return False
+
+
 def _from_deepspeed(obj) -> bool:
     return obj is not None and type(obj).__module__.split(".", 1)[0] == "deepspeed"
 
@@ -326,6 +335,16 @@ class Monitor:
         self._zero = deepspeed_optimizer(model, optimizer)
         if self._zero is not None:
             self._attach_deepspeed()
+        elif self.world > 1 and self.options["localize"] and _sharded(model):
+            # FSDP: a re-run's forward gathers the sharded parameters, a collective: one rank re-running alone
+            # hangs or breaks the process group (seen on gloo: "collective mismatch"). As under ZeRO-3, the ranks
+            # agree before re-running (at a step whose global gradient norm is not finite).
+            self._rerun_together = True
+            note = ("localize under sharded parameters (FSDP): a re-run gathers them, so it runs only where every "
+                    "rank re-runs its batch the same way; otherwise the finding names no module")
+            self.engine.setdefault("notes", []).append(note)
+            if self.rank == 0:
+                log.info("%s", note)
         if self.skip_codes:
             self._arm_skip(optimizer)
         _watch_clipping(self, True)
@@ -738,7 +757,7 @@ class Monitor:
                 self.writer.step(view.step, view.loss, view.grad_norm, view.lr)
 
     def _agree_on_rerun(self, view) -> None:
-        """ZeRO-3, at a step whose global gradient norm is not finite (the same on every rank: every rank reads it
+        """ZeRO-3 or FSDP (sharded parameters), at a step whose global gradient norm is not finite (the same on every rank: every rank reads it
         at the same point): the ranks tell each other which re-run they would do (the batch's forward for a
         non-finite loss, forward and backward for a non-finite gradient; one ``all_gather_object``, only at such
         a step, before the first non-finite finding). Where they differ, the re-runs' collectives would not
@@ -754,7 +773,8 @@ class Monitor:
         dist.all_gather_object(gathered, path)
         self.options["localize"] = len(set(gathered)) == 1
         if not self.options["localize"] and self.rank == 0:
-            log.warning("step %d: the ranks would re-run different passes (%s): not localized under ZeRO-3",
+            log.warning("step %d: the ranks would re-run different passes (%s): not localized (sharded parameters: "
+                        "DeepSpeed ZeRO-3 / FSDP)",
                         view.step, ", ".join(f"rank {r}: {p}" for r, p in enumerate(gathered)))
 
     def check(self) -> None:

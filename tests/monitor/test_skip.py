@@ -2,7 +2,7 @@
 micro-batch at step K (``dist/skip_ranks.py``: gradient accumulation 2, the second micro-batch of step 3, on rank
 0 only where there are two):
 
-* one process and DDP (2 CPU ranks, gloo): with the policy the weights after step K equal those after step K-1
+* one process, DDP and FSDP2 (2 CPU ranks, gloo): with the policy the weights after step K equal those after step K-1
   exactly, the run goes on (the weights move again at K+1) and ends finite; without it they end NaN. The
   learning-rate schedule holds at the skipped step (accelerate reports the step as skipped, as for an fp16
   overflow): step K+1 uses the rate planned for step K. The skip is recorded in the JSONL, the summary, the report.
@@ -172,8 +172,9 @@ def _launch(tmp_path, engine):
 
 @pytest.mark.slow
 @default_stack_only
-def test_ddp_two_ranks_agree_to_skip(tmp_path):
-    """The NaN is in rank 0's micro-batch only; the gradients are all-reduced and the ranks' flags too: both skip."""
+def test_ddp_and_fsdp2_two_ranks_agree_to_skip(tmp_path):
+    """The NaN is in rank 0's micro-batch only; the gradients are all-reduced and the ranks' flags too: both skip.
+    DDP through the Trainer, FSDP2 in a custom loop."""
     for rank, results in enumerate(_launch(tmp_path, "ddp")):
         _assert_poisoned(results["plain"])
         _assert_skipped(results["skip"])
@@ -181,6 +182,10 @@ def test_ddp_two_ranks_agree_to_skip(tmp_path):
         reasons = results["skip"]["skipped"][0]["reasons"]
         assert reasons == ["nonfinite_loss", "nonfinite_grad"], (rank, reasons)
         assert results["skip"]["lrs"] == pytest.approx(_planned_lrs()[:K] + _planned_lrs()[K - 1:-1])
+        # FSDP2 (DTensor weights and gradients), a custom loop stepping its scheduler on mon.last_step_skipped
+        _assert_poisoned(results["fsdp2-plain"])
+        _assert_skipped(results["fsdp2-skip"])
+        assert results["fsdp2-skip"]["lrs"] == pytest.approx(_planned_lrs()[:K] + _planned_lrs()[K - 1:-1])
 
 
 @pytest.mark.slow

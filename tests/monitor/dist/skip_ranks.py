@@ -1,6 +1,6 @@
 """The skip defence's proof (tests/monitor/test_skip.py): one NaN-poisoned micro-batch at step K.
 
-    torchrun --standalone --nproc_per_node=2 skip_ranks.py OUT_DIR ddp            # DDP (gloo, CPU)
+    torchrun --standalone --nproc_per_node=2 skip_ranks.py OUT_DIR ddp            # DDP, then FSDP2 (gloo, CPU)
     torchrun --standalone --nproc_per_node=2 skip_ranks.py OUT_DIR zero2          # DeepSpeed ZeRO-2 (CPU)
 
 and ``run("single", ...)`` in one process. A tiny Llama, the ``Trainer``, gradient accumulation 2, ``STEPS``
@@ -16,6 +16,8 @@ monitor's skip records and finding codes. Runs:
 * ``zero2`` also ``nonorm-plain`` / ``nonorm-skip``: ``zero_optimization.compute_grad_norm=false``, where DeepSpeed
   checks nothing (its ``check_grad_overflow`` is off in fp32): the NaN update is applied, unless the policy turns
   DeepSpeed's overflow check on (the monitor never skips a second time under DeepSpeed).
+
+* ``ddp`` also ``fsdp2-plain`` / ``fsdp2-skip``: a custom loop under FSDP2 (:func:`fsdp2`), the same NaN.
 
 Each rank writes ``OUT/<engine>.rank<N>.json``: ``{run: result}``.
 """
@@ -119,6 +121,60 @@ def run(engine: str, name: str, out: str, policy=None, ds_zero=None) -> dict:
     return result
 
 
+def fsdp2(name: str, out: str, policy=None) -> dict:
+    """A custom loop under FSDP2 (``fully_shard``: DTensor weights and gradients), AdamW, gradient accumulation 2,
+    ``clip_grad_norm_``, a LambdaLR stepped only where ``mon.last_step_skipped`` is False; the same NaN in rank 0's
+    second micro-batch of step K. Weights compared as full tensors (a gather on every rank)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ftshims import tiny
+    from ftshims.monitor import Monitor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = tiny.tiny_llama()
+    poison = {"on": False}
+    model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: out * float("nan") if poison["on"] else out)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / STEPS)
+    options = {"log": os.path.join(out, f"fsdp2-{name}.jsonl"), "off": ["loss_count_mismatch"]}
+    if policy:
+        options["policy"] = policy
+    mon = Monitor(model, optimizer, **options)
+    data = rows()
+    weights, lrs = {}, []
+    for step in range(1, STEPS + 1):
+        for micro in range(2):
+            index = (4 * (step - 1) + 2 * micro + 2 * STEPS * 4 * _rank()) % len(data)
+            ids = torch.tensor([data[index]["input_ids"], data[(index + 1) % len(data)]["input_ids"]])
+            poison["on"] = _rank() == 0 and step == K and micro == 1
+            loss = model(input_ids=ids, labels=ids).loss / 2
+            loss.backward()
+            mon.after_backward(loss)
+        poison["on"] = False
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        if not mon.last_step_skipped:
+            schedule.step()
+        mon.after_step()
+        optimizer.zero_grad()
+        weights[step] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                         for n, p in model.named_parameters()}  # a DTensor's gather; the root's may be unsharded
+    mon.close()
+    same = lambda a, b: all(torch.equal(weights[a][n], weights[b][n]) for n in weights[a])  # noqa: E731
+    return {"equal_after_k": same(K, K - 1), "moved_after_k": not same(K + 1, K),
+            "final_finite": all(bool(torch.isfinite(t).all()) for t in weights[STEPS].values()),
+            "steps": sorted(weights), "lrs": lrs, "skipped": mon.skipped, "codes": [f.code for f in mon.findings],
+            "error": None}
+
+
 def _rank_path(log: str) -> str:
     import torch.distributed as dist
 
@@ -176,6 +232,11 @@ def main() -> None:
         results[name] = run(ns.engine, name, ns.out, policy, ds)
         with open(os.path.join(ns.out, f"{ns.engine}.rank{_rank()}.json"), "w") as fh:
             json.dump(results, fh, indent=1)
+    if ns.engine == "ddp":
+        for name, policy in (("fsdp2-plain", None), ("fsdp2-skip", SKIP)):
+            results[name] = fsdp2(name, ns.out, policy)
+            with open(os.path.join(ns.out, f"{ns.engine}.rank{_rank()}.json"), "w") as fh:
+                json.dump(results, fh, indent=1)
     import torch.distributed as dist
 
     dist.barrier()
