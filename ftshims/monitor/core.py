@@ -757,8 +757,8 @@ class Monitor:
                 self.writer.step(view.step, view.loss, view.grad_norm, view.lr)
 
     def _agree_on_rerun(self, view) -> None:
-        """ZeRO-3 or FSDP (sharded parameters), at a step whose global gradient norm is not finite (the same on every rank: every rank reads it
-        at the same point): the ranks tell each other which re-run they would do (the batch's forward for a
+        """ZeRO-3 or FSDP (sharded parameters), at a step whose global gradient norm is not finite (the same on
+        every rank: every rank reads it at the same point): the ranks tell each other which re-run they would do (the batch's forward for a
         non-finite loss, forward and backward for a non-finite gradient; one ``all_gather_object``, only at such
         a step, before the first non-finite finding). Where they differ, the re-runs' collectives would not
         match: this read localizes nothing (the finding names no module)."""

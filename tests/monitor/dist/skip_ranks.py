@@ -80,7 +80,10 @@ def run(engine: str, name: str, out: str, policy=None, ds_zero=None) -> dict:
             state["poison"] = False
             weights[st.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    extra = {"use_cpu": True}
+    import inspect
+
+    params = inspect.signature(TrainingArguments.__init__).parameters
+    extra = {"use_cpu": True} if "use_cpu" in params else {"no_cuda": True}  # transformers < 4.34: no_cuda
     if ds_zero is not None:
         extra = {"deepspeed": ds_zero, "accelerator_config": {"use_configured_state": True}}
     log = os.path.join(out, f"{engine}-{name}.jsonl")
