@@ -48,6 +48,14 @@ def _assert_skipped(result, by="monitor"):
     assert [(s["step"], s["by"]) for s in result["skipped"]] == [(K, by)], result["skipped"]
 
 
+def _assert_schedule_held(skipped, plain):
+    """The learning rates the Trainer logged: the skip run's are the plain run's with the skipped step's rate held
+    once (the schedule did not advance), so the last one is the plain run's next to last. transformers >= 4.3x logs
+    the rate a step used (held at step K + 1), older ones the rate after the scheduler's step (held at step K)."""
+    assert len(set(plain)) == len(plain), plain
+    assert any(skipped == pytest.approx(plain[:at] + plain[at - 1:-1]) for at in (K - 1, K)), (skipped, plain)
+
+
 def _assert_poisoned(result):
     assert result["error"] is None, result["error"]
     assert not result["equal_after_k"] and not result["final_finite"], result
@@ -65,9 +73,7 @@ def test_one_process_skip_keeps_the_weights_of_the_step_before(tmp_path):
     _assert_poisoned(plain)
     _assert_skipped(skip)
     assert skip["skipped"][0]["reasons"] == ["nonfinite_loss"] and skip["codes"] == ["nonfinite_loss"]
-    planned = _planned_lrs()
-    assert plain["lrs"] == pytest.approx(planned)
-    assert skip["lrs"] == pytest.approx(planned[:K] + planned[K - 1:-1])  # the schedule held at the skipped step
+    _assert_schedule_held(skip["lrs"], plain["lrs"])
     records = [json.loads(line) for line in open(tmp_path / "single-skip.jsonl", encoding="utf-8")]
     assert [(r["step"], r["by"]) for r in records if r["type"] == "skip"] == [(K, "monitor")]
     summary = records[-1]
@@ -181,7 +187,7 @@ def test_ddp_and_fsdp2_two_ranks_agree_to_skip(tmp_path):
         # every rank records what any rank saw: rank 0 the NaN loss, rank 1 (finite loss) the all-reduced NaN gradient
         reasons = results["skip"]["skipped"][0]["reasons"]
         assert reasons == ["nonfinite_loss", "nonfinite_grad"], (rank, reasons)
-        assert results["skip"]["lrs"] == pytest.approx(_planned_lrs()[:K] + _planned_lrs()[K - 1:-1])
+        _assert_schedule_held(results["skip"]["lrs"], results["plain"]["lrs"])
         # FSDP2 (DTensor weights and gradients), a custom loop stepping its scheduler on mon.last_step_skipped
         _assert_poisoned(results["fsdp2-plain"])
         _assert_skipped(results["fsdp2-skip"])
