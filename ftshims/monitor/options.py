@@ -38,7 +38,7 @@ CODES: Dict[str, Tuple[str, str]] = {
     "loss_diverging": (ERROR, "the loss climbed above a uniform predictor's (ln of the classes the head scores) or far above its early level, and stayed there"),
     "updates_lost": (ERROR, "most sampled weight elements with a non-zero gradient did not change: bf16/fp16 weights without fp32 master copies round the optimizer's steps away"),
     "updates_vanishing": (WARNING, "the optimizer's steps are negligible next to the weights (||dw||/||w|| below update_ratio_min): a learning rate or clipping far too small"),
-    "updates_too_large": (WARNING, "each optimizer step changes the weights by about their own size (||dw||/||w|| above update_ratio_max)"),
+    "updates_too_large": (WARNING, "an optimizer step moved the sampled weights by more than their own size (||dw||/||w|| above update_ratio_max)"),
     "no_eos_target": (WARNING, "a causal LM trained on padded rows of different lengths in which no scored label is EOS: it never learns to stop"),
     "model_in_eval_mode": (WARNING, "the optimizer steps after forwards made in eval mode (model.eval() never undone): dropout is off, and the monitor sees no training forward"),
     "trainable_not_in_optimizer": (ERROR, "parameters with requires_grad that are in no optimizer parameter group: they get gradients and never change"),
@@ -79,7 +79,7 @@ DEFAULTS: Dict[str, Any] = {
     "diverge_factor": 3.0,  # loss_diverging: "far above its early level" is above diverge_factor x that level (and +1)
     "update_every": 10,  # update statistics on the first update_every optimizer steps, then every update_every-th
     "update_ratio_min": 1e-6,  # updates_vanishing: median ||dw||/||w|| of the sampled tensors below this
-    "update_ratio_max": 1.0,  # updates_too_large: median ||dw||/||w|| above this
+    "update_ratio_max": 1.0,  # updates_too_large: a step's median ||dw||/||w|| above this
     "lost_share": 0.5,  # updates_lost: share of sampled elements with a non-zero gradient left unchanged
     "log": None,  # JSONL path (default: FTSHIMS_MONITOR_LOG)
     # the data and configuration checks: chosen so that healthy runs give no finding
