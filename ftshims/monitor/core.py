@@ -305,7 +305,7 @@ class Monitor:
         self._consecutive_skips = 0
         self._spiking: Dict[str, int] = {}  # spike code -> the last step whose value was above its threshold
         self._outer_optimizer = optimizer
-        self._restore_step = None  # (optimizer, original step attribute or None) while the step is wrapped
+        self._restore_step = None  # (optimizer, its own step attribute or None, our wrapper) while wrapped
         self._last_view: Optional["StepView"] = None  # the view of the step being judged (skip decisions)
         self.hooks_updates = False  # an optimizer step post-hook is registered (the update statistics)
         self.eval_forwards = 0  # forwards with gradients on while the model is in eval mode, this step
