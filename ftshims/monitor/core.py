@@ -521,7 +521,7 @@ class Monitor:
         were), the gradients are dropped, and under accelerate the step counts as skipped
         (``optimizer_step_was_skipped``), so the Trainer and accelerate hold the learning-rate scheduler, as for
         an fp16 overflow. Under DeepSpeed the engine skips a step whose global gradient norm is not finite
-        itself: the monitor turns that check on where it is off (ZeRO-1/2 in bf16) and records DeepSpeed's skips;
+        itself: the monitor turns that check on where it is off (ZeRO-1/2) and records DeepSpeed's skips;
         it never skips a second time. Under a GradScaler (fp16), the scaler skips non-finite steps itself."""
         if self._zero is not None:
             spikes = sorted(self.skip_codes - {"nonfinite_loss", "nonfinite_grad"})
@@ -529,7 +529,9 @@ class Monitor:
                 raise ValueError(f"options['policy']: 'skip' for {', '.join(spikes)} cannot work under DeepSpeed: the "
                                  "engine applies the update inside backward(), before a spike can be judged; "
                                  "allowed there: 'skip' for nonfinite_loss / nonfinite_grad (DeepSpeed's own skip)")
-            if getattr(self._zero, "check_grad_overflow", True) is False:  # ZeRO-1/2 in bf16: the check is off
+            # ZeRO-1/2: off in fp32 (the engine's choice; only a non-finite norm, when computed, skips) and where a
+            # bf16 config turns it off; ZeRO-3 checks the norm always
+            if getattr(self._zero, "check_grad_overflow", True) is False:
                 self._zero.check_grad_overflow = True
                 self.engine.setdefault("notes", []).append(
                     "policy skip: DeepSpeed's overflow check (check_grad_overflow) turned on, so that the engine skips "
