@@ -87,7 +87,8 @@ def main(argv=None) -> int:
                         help="the monitor's update_every: update statistics on every step by default (the worst "
                         "case; the monitor's own default, 10, samples the first 10 steps and every 10th)")
     parser.add_argument("--skip", action="store_true",
-                        help="policy skip for nonfinite_loss / nonfinite_grad (the defence reads one flag per step)")
+                        help="policy skip for nonfinite_loss / nonfinite_grad (the defence reads one flag per step; "
+                        "its optimizer.step wrapper runs the gradient checks outside the timed hooks: judge by the ratio)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: leave as is)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: process CPU time (use with --threads 1 on a shared machine); wall: perf_counter "
