@@ -21,15 +21,25 @@ says whether each is applied here::
 * ``python -m ftshims.monitor report run.jsonl [--html out.html]``.
 
 Options (:mod:`ftshims.monitor.options`, checked when given: an unknown name or
-value is a ``ValueError``): ``policy`` (``"warn"``, ``"raise"`` or per code),
-``off`` (codes), ``warmup``, ``spike_sigmas``, ``grad_steps``, ``eos_steps``,
-``hash_every``, ``frozen_samples``, ``read``, ``read_every``, ``localize``, ``log``.
+value is a ``ValueError``): ``policy`` (``"warn"``, ``"raise"`` or per code; ``"skip"``
+for ``nonfinite_loss``, ``nonfinite_grad``, ``loss_spike``, ``grad_norm_spike``),
+``max_skips``, ``off`` (codes), ``warmup``, ``spike_sigmas``, ``grad_steps``, ``eos_steps``,
+``hash_every``, ``frozen_samples``, ``read``, ``read_every``, ``localize``, ``log``,
+the data checks' thresholds, ``diverge_steps``, ``diverge_factor``, ``update_every``,
+``update_ratio_min``, ``update_ratio_max``, ``lost_share``.
+
+The skip defence (opt-in, :meth:`Monitor._arm_skip`): with ``policy={"nonfinite_loss":
+"skip", ...}`` an update whose loss or gradient norm is not finite (or that spikes) is
+not applied, on every rank; the Trainer's scheduler holds at that step; DeepSpeed's own
+overflow skip is recorded instead of doubled. It reads one flag per step.
 
 Cost: no host-device synchronisation per step. What runs every step is device
 work only: a few reductions over the batch's label and id tensors in a forward
 pre-hook, the detached loss kept by a forward hook, the gradient norm
 (``torch.nn.utils.get_total_norm``) and ``p.grad is None`` checks in the
-optimizer's step pre-hook. The results stay on the device as 0-d tensors,
+optimizer's step pre-hook, and on sampled steps the update statistics (a device
+copy of 8 x 16384 sampled weight elements before the update, four scalars per
+tensor after it, in the optimizer's step post-hook). The results stay on the device as 0-d tensors,
 accumulated per step, until a *read point* stacks them into one tensor per
 device and copies it to the host once: on an accelerator, the Trainer's logging
 steps (``on_log``, right after the Trainer's own ``tr_loss.item()``

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import types
 from typing import Any, Dict, List, Optional
 
 from . import catalogue
@@ -184,6 +185,15 @@ def deepspeed_optimizer(model, optimizer):
     return None
 
 
+def _sharded(model) -> bool:
+    """Whether the model's parameters are sharded across ranks: FSDP2's DTensors, FSDP1's flat parameters."""
+    for p in model.parameters():
+        name = type(p).__name__
+        if name == "DTensor" or hasattr(p, "_local_tensor") or "FlatParameter" in name:
+            return True
+    return False
+
+
 def _from_deepspeed(obj) -> bool:
     return obj is not None and type(obj).__module__.split(".", 1)[0] == "deepspeed"
 
@@ -286,6 +296,21 @@ class Monitor:
         self.first_device = next((p.device for p in model.parameters()), torch.device("cpu"))
         mode = self.options["read"]
         self.read_each_step = mode == "step" or (mode == "auto" and self.first_device.type in ("cpu", "meta"))
+        # the skip defence (policy "skip"): see _arm_skip
+        self.skip_codes = options_mod.skip_codes(self.options["policy"])
+        self.skipped: List[Dict[str, Any]] = []  # every skipped step: {"step", "reasons", "by", "consecutive"}
+        self.last_step_skipped = False  # custom loops: step the scheduler only when this is False
+        self._skip_by: Optional[str] = None  # "monitor" (the optimizer's step is not called) or "deepspeed"
+        self._skip_step: Optional[int] = None  # the step whose update is dropped, decided before the update
+        self._consecutive_skips = 0
+        self._spiking: Dict[str, int] = {}  # spike code -> the last step whose value was above its threshold
+        self._outer_optimizer = optimizer
+        self._restore_step = None  # (optimizer, its own step attribute or None, our wrapper) while wrapped
+        self._last_view: Optional["StepView"] = None  # the view of the step being judged (skip decisions)
+        self.hooks_updates = False  # an optimizer step post-hook is registered (the update statistics)
+        self.eval_forwards = 0  # forwards with gradients on while the model is in eval mode, this step
+        if self.skip_codes:
+            self.read_each_step = True  # a skip is decided before the update: one read per step (opt-in cost)
         path = self.options["log"] or parse_monitor_log()
         self.writer = JsonlWriter(path, self.rank, self.world) if path else None
         from .detectors import build
@@ -304,9 +329,24 @@ class Monitor:
         if inner is not None and hasattr(inner, "register_step_pre_hook"):
             self._handles.append(inner.register_step_pre_hook(self._optimizer_pre_hook))
             self.optimizer = inner
+        if inner is not None and hasattr(inner, "register_step_post_hook") and self.detectors.updated:
+            self._handles.append(inner.register_step_post_hook(self._optimizer_post_hook))
+            self.hooks_updates = True
         self._zero = deepspeed_optimizer(model, optimizer)
         if self._zero is not None:
             self._attach_deepspeed()
+        elif self.world > 1 and self.options["localize"] and _sharded(model):
+            # FSDP: a re-run's forward gathers the sharded parameters, a collective: one rank re-running alone
+            # hangs or breaks the process group (seen on gloo: "collective mismatch"). As under ZeRO-3, the ranks
+            # agree before re-running (at a step whose global gradient norm is not finite).
+            self._rerun_together = True
+            note = ("localize under sharded parameters (FSDP): a re-run gathers them, so it runs only where every "
+                    "rank re-runs its batch the same way; otherwise the finding names no module")
+            self.engine.setdefault("notes", []).append(note)
+            if self.rank == 0:
+                log.info("%s", note)
+        if self.skip_codes:
+            self._arm_skip(optimizer)
         _watch_clipping(self, True)
 
     def _attach_deepspeed(self) -> None:
@@ -368,6 +408,14 @@ class Monitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._restore_step is not None:
+            owner, original, ours = self._restore_step
+            self._restore_step = None
+            if owner.__dict__.get("step") is ours:  # else something wrapped it since (a scheduler): ours stays, inert
+                if original is None:
+                    owner.__dict__.pop("step", None)
+                else:
+                    owner.step = original
         self._drop_grad_hooks()
         _watch_clipping(self, False)
 
@@ -380,6 +428,11 @@ class Monitor:
 
     def _pre_hook(self, module, args, kwargs):
         if not self._training_forward(module):
+            if not module.training and not self._busy and not self._closed:
+                import torch
+
+                if torch.is_grad_enabled():  # a forward that builds a graph, in eval mode: model_in_eval_mode's
+                    self.eval_forwards += 1
             return None
         micro = Micro(self.step, self._index, (args, kwargs))
         self._index += 1
@@ -405,6 +458,13 @@ class Monitor:
             detector.output(self, micro, output)
         return None
 
+    def _optimizer_post_hook(self, optimizer, args, kwargs):
+        """Right after the update (not called for a step the skip defence dropped): the update statistics."""
+        if not self._busy and not self._closed:
+            for detector in self.detectors.updated:
+                detector.updated(self)
+        return None
+
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
         if not self._busy and not self._closed:
             self.pre_update()
@@ -418,6 +478,8 @@ class Monitor:
         self._grads()
         if self.read_each_step:
             self.read()
+        if self._skip_by == "monitor":
+            self._decide_skip()
 
     def _grads(self) -> None:
         """Once per optimizer step, while the gradients exist: the grad norm (device) and the per-step grad checks."""
@@ -448,6 +510,158 @@ class Monitor:
         for detector in self.detectors.grads:
             detector.grads(self)
 
+    # -- the skip defence (policy "skip") ---------------------------------------------------------
+
+    def _arm_skip(self, optimizer) -> None:
+        """Arm policy ``"skip"``. Where the optimizer is a torch optimizer, its ``step`` is wrapped (an instance
+        attribute, removed at :meth:`detach`): before the update, with the gradients complete, the step's loss,
+        gradient norm and spike judgements are read (one read per step: the defence's cost) and, where a skip
+        code saw its symptom on *any* rank (one ``all_reduce`` MAX of a flag per step in a distributed run), the
+        update is not applied: the optimizer's ``step`` is not called (weights and optimizer state stay as they
+        were), the gradients are dropped, and under accelerate the step counts as skipped
+        (``optimizer_step_was_skipped``), so the Trainer and accelerate hold the learning-rate scheduler, as for
+        an fp16 overflow. Under DeepSpeed the engine skips a step whose global gradient norm is not finite
+        itself: the monitor turns that check on where it is off (ZeRO-1/2) and records DeepSpeed's skips;
+        it never skips a second time. Under a GradScaler (fp16), the scaler skips non-finite steps itself."""
+        if self._zero is not None:
+            spikes = sorted(self.skip_codes - {"nonfinite_loss", "nonfinite_grad"})
+            if spikes:
+                raise ValueError(f"options['policy']: 'skip' for {', '.join(spikes)} cannot work under DeepSpeed: the "
+                                 "engine applies the update inside backward(), before a spike can be judged; "
+                                 "allowed there: 'skip' for nonfinite_loss / nonfinite_grad (DeepSpeed's own skip)")
+            # ZeRO-1/2: off in fp32 (the engine's choice; only a non-finite norm, when computed, skips) and where a
+            # bf16 config turns it off; ZeRO-3 checks the norm always
+            if getattr(self._zero, "check_grad_overflow", True) is False:
+                self._zero.check_grad_overflow = True
+                self.engine.setdefault("notes", []).append(
+                    "policy skip: DeepSpeed's overflow check (check_grad_overflow) turned on, so that the engine skips "
+                    "a step whose gradients are not finite")
+            self._skip_by = "deepspeed"
+            return
+        if getattr(optimizer, "scaler", None) is not None:  # accelerate's AcceleratedOptimizer with a GradScaler
+            self._skip_by = None
+            note = ("policy skip: fp16 loss scaling (a GradScaler) skips every step with non-finite gradients itself "
+                    "and lowers the scale; the monitor adds no skip")
+            self.engine.setdefault("notes", []).append(note)
+            if self.rank == 0:
+                log.info("%s", note)
+            return
+        inner = self.optimizer
+        if inner is None or not callable(getattr(inner, "step", None)):
+            raise ValueError("options['policy']: 'skip' needs the optimizer, to leave its step out: "
+                             "Monitor(model, optimizer, policy={...})")
+        original = inner.__dict__.get("step")  # an instance attribute already there (an LR scheduler's wrapper)
+        wrapped = inner.step
+
+        def step(optimizer, *args, **kwargs):
+            if self._closed:
+                return wrapped(*args, **kwargs)
+            if not self._busy:
+                self.pre_update()  # a no-op when the step pre-hook or the Trainer's event already ran it
+            skip = self._skip_step is not None and self._skip_step == self.step
+            self._hold_schedule(skip)
+            self.last_step_skipped = skip
+            if skip:
+                optimizer.zero_grad(set_to_none=True)  # the poisoned gradients are dropped, on every rank
+                return None
+            return wrapped(*args, **kwargs)
+
+        # a bound method, as torch's LR schedulers expect when they wrap optimizer.step (step.__func__)
+        inner.step = types.MethodType(step, inner)
+        self._restore_step = (inner, original, inner.step)
+        self._skip_by = "monitor"
+
+    def note_spike(self, code: str, step: int) -> None:
+        """A spike detector saw a value above its threshold at ``step`` (policy "skip" drops that update)."""
+        self._spiking[code] = step
+
+    def _local_skip_reasons(self) -> List[str]:
+        view = self._last_view
+        if view is None or view.step != self.step:
+            return []
+        reasons = []
+        losses = [v["loss"] for v in view.values if v.get("loss") is not None]
+        loss_bad = any(not math.isfinite(loss) for loss in losses)
+        norm_bad = view.grad_norm is not None and not math.isfinite(view.grad_norm)
+        if loss_bad and "nonfinite_loss" in self.skip_codes:
+            reasons.append("nonfinite_loss")
+        elif norm_bad and not loss_bad and "nonfinite_grad" in self.skip_codes:
+            reasons.append("nonfinite_grad")
+        elif loss_bad or norm_bad:  # e.g. skip for nonfinite_grad only, and the loss is NaN: its gradient is too
+            if self.skip_codes & {"nonfinite_loss", "nonfinite_grad"}:
+                reasons.append("nonfinite_loss" if loss_bad else "nonfinite_grad")
+        for code in ("loss_spike", "grad_norm_spike"):
+            if code in self.skip_codes and self._spiking.get(code) == self.step:
+                reasons.append(code)
+        return reasons
+
+    def _decide_skip(self) -> None:
+        """Before the update of ``self.step``: skip it where any rank saw a skip code's symptom."""
+        reasons = self._local_skip_reasons()
+        flags = sum(1 << options_mod.SKIPPABLE.index(code) for code in reasons)
+        if self.world > 1:
+            flags = self._agree(flags)
+            reasons = [code for i, code in enumerate(options_mod.SKIPPABLE) if flags & (1 << i)]
+        if flags:
+            self._skip_step = self.step
+            self._record_skip(reasons, "monitor")
+        else:
+            self._consecutive_skips = 0
+
+    def _agree(self, flags: int) -> int:
+        """Every rank's skip flags, OR-ed (an all_reduce MAX per bit: one collective of a few ints per step)."""
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return flags
+        backend = str(dist.get_backend()).lower()
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        bits = torch.tensor([(flags >> i) & 1 for i in range(len(options_mod.SKIPPABLE))], dtype=torch.int32, device=device)
+        dist.all_reduce(bits, op=dist.ReduceOp.MAX)
+        return sum(int(b) << i for i, b in enumerate(bits.tolist()))
+
+    def _deepspeed_skipped(self) -> None:
+        """After DeepSpeed's step: the ZeRO optimizer's ``overflow`` (a host flag) says whether the engine skipped
+        the update (a non-finite global gradient norm; fp16 loss-scale overflows too). Recorded once, as DeepSpeed's."""
+        if not bool(getattr(self._zero, "overflow", False)):
+            self._consecutive_skips = 0
+            return
+        scaler = type(getattr(self._zero, "loss_scaler", None)).__name__
+        if scaler == "DynamicLossScaler" or getattr(self._zero, "dynamic_loss_scale", False):
+            # fp16 loss scaling: DeepSpeed lowers the scale and skips; its own limit (the minimum scale) applies
+            self._record_skip(["fp16_overflow"], "deepspeed", counted=False)
+            return
+        self._record_skip(["nonfinite_grad"], "deepspeed")
+
+    def _record_skip(self, reasons: List[str], by: str, counted: bool = True) -> None:
+        if counted:
+            self._consecutive_skips += 1
+        record = {"step": int(self.step), "reasons": list(reasons), "by": by, "consecutive": self._consecutive_skips}
+        self.skipped.append(record)
+        if self.writer is not None:
+            self.writer.skip(record)
+        limit = self.options["max_skips"]
+        what = ("not applied: weights and optimizer state unchanged, gradients dropped" if by == "monitor" else
+                "skipped by DeepSpeed (its overflow check), recorded by the monitor")
+        if self.rank == 0:
+            log.warning("step %d: the update was %s (%s; %d consecutive, max_skips %d)", self.step, what,
+                        ", ".join(reasons), self._consecutive_skips, limit)
+        if counted and self._consecutive_skips >= limit:
+            finding = Finding(reasons[0] if reasons[0] in options_mod.CODES else "nonfinite_grad", "error", int(self.step),
+                              f"{self._consecutive_skips} consecutive updates skipped ({', '.join(reasons)}), max_skips "
+                              f"{limit}: the run cannot recover by skipping; stopped with the weights of step "
+                              f"{self.step - self._consecutive_skips}", [], {"skipped": self.skipped[-limit:]})
+            raise MonitorError(f"ftshims.monitor {finding.line()}", finding)
+
+    def _hold_schedule(self, skipped: bool) -> None:
+        """accelerate's ``AcceleratedOptimizer`` (no GradScaler): report the step as skipped, so that the Trainer
+        (``optimizer_step_was_skipped``) and ``AcceleratedScheduler`` do not step the learning-rate scheduler."""
+        outer = self._outer_optimizer
+        if outer is not None and outer is not self.optimizer and isinstance(getattr(outer, "_is_overflow", None), bool) \
+                and getattr(outer, "scaler", None) is None:
+            outer._is_overflow = skipped
+
     # -- custom loops -----------------------------------------------------------------------------
 
     def after_backward(self, loss=None) -> None:
@@ -468,6 +682,8 @@ class Monitor:
 
     def end_step(self, global_step: Optional[int] = None) -> None:
         """Close the current optimizer step (the Trainer's ``on_step_end``)."""
+        if self._skip_by == "deepspeed":
+            self._deepspeed_skipped()
         if self.read_each_step:
             self.read()
         elif not self.in_trainer and self.step % self.options["read_every"] == 0:
@@ -476,6 +692,7 @@ class Monitor:
         self.steps_done += 1
         self.step = (global_step if global_step is not None else self.step) + 1
         self._index = 0
+        self.eval_forwards = 0
         self._grad_seen.clear()
         if self._grad_hooks and self.steps_done >= self.options["grad_steps"]:
             self._drop_grad_hooks()
@@ -519,9 +736,10 @@ class Monitor:
         """The Trainer's ``on_log``: its numbers to the JSONL, its loss to loss_spike when the model returns none."""
         if self.writer is not None:
             self.writer.log(step, logs)
-        spike = self.detectors.by_code.get("loss_spike")
-        if spike is not None:
-            spike.logged(self, step, logs)
+        for code in ("loss_spike", "loss_diverging"):
+            detector = self.detectors.by_code.get(code)
+            if detector is not None:
+                detector.logged(self, step, logs)
 
     # -- reading ----------------------------------------------------------------------------------
 
@@ -541,6 +759,7 @@ class Monitor:
             view.lr = floats.get("lr")
         for step in sorted(views):
             view = views[step]
+            self._last_view = view
             if self._rerun_together:
                 self._agree_on_rerun(view)
             for detector in self.detectors.read:
@@ -549,8 +768,8 @@ class Monitor:
                 self.writer.step(view.step, view.loss, view.grad_norm, view.lr)
 
     def _agree_on_rerun(self, view) -> None:
-        """ZeRO-3, at a step whose global gradient norm is not finite (the same on every rank: every rank reads it
-        at the same point): the ranks tell each other which re-run they would do (the batch's forward for a
+        """ZeRO-3 or FSDP (sharded parameters), at a step whose global gradient norm is not finite (the same on
+        every rank: every rank reads it at the same point): the ranks tell each other which re-run they would do (the batch's forward for a
         non-finite loss, forward and backward for a non-finite gradient; one ``all_gather_object``, only at such
         a step, before the first non-finite finding). Where they differ, the re-runs' collectives would not
         match: this read localizes nothing (the finding names no module)."""
@@ -565,7 +784,8 @@ class Monitor:
         dist.all_gather_object(gathered, path)
         self.options["localize"] = len(set(gathered)) == 1
         if not self.options["localize"] and self.rank == 0:
-            log.warning("step %d: the ranks would re-run different passes (%s): not localized under ZeRO-3",
+            log.warning("step %d: the ranks would re-run different passes (%s): not localized (sharded parameters: "
+                        "DeepSpeed ZeRO-3 / FSDP)",
                         view.step, ", ".join(f"rank {r}: {p}" for r, p in enumerate(gathered)))
 
     def check(self) -> None:
@@ -614,11 +834,16 @@ class Monitor:
             detector.begin(self)
 
     def summary(self) -> str:
+        skipped = ""
+        if self.skipped:
+            steps = ", ".join(str(s["step"]) for s in self.skipped[:12]) + (" ..." if len(self.skipped) > 12 else "")
+            skipped = f"; {len(self.skipped)} update{'s' if len(self.skipped) != 1 else ''} skipped (step {steps})"
         if not self.findings:
-            return f"no findings in {self.steps_done} steps"
+            return f"no findings in {self.steps_done} steps{skipped}"
         codes = ", ".join(f"{f.code} (step {f.step})" for f in self.findings[:12])
         more = f" and {len(self.findings) - 12} more" if len(self.findings) > 12 else ""
-        return f"{len(self.findings)} finding{'s' if len(self.findings) != 1 else ''} in {self.steps_done} steps: {codes}{more}"
+        return (f"{len(self.findings)} finding{'s' if len(self.findings) != 1 else ''} in {self.steps_done} steps: "
+                f"{codes}{more}{skipped}")
 
     def close(self) -> str:
         """Read what is left, run the end-of-run checks, log and write the summary, remove the hooks."""

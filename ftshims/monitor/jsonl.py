@@ -3,8 +3,12 @@
 Records (``"type"``): ``header`` (rank, world size, versions, ftshims' fingerprint,
 the options), ``step`` (``step``, ``loss``, ``grad_norm``, ``lr``: the monitor's own
 per-step values), ``log`` (what the Trainer logged at a logging step), ``finding``
-(a :class:`~ftshims.monitor.findings.Finding`), ``summary`` (at the end; on rank 0
-with every rank's codes). Every record carries ``rank``. A distributed run writes
+(a :class:`~ftshims.monitor.findings.Finding`), ``skip`` (policy ``"skip"``: a step whose
+update was not applied: ``step``, ``reasons``, ``by`` (``monitor`` or ``deepspeed``),
+``consecutive``), ``updates`` (the update statistics of a sampled step: ``step``, ``lr``, ``ratio``
+the median ||dw||/||w||, ``lost`` the share of unchanged elements with a gradient in bf16/fp16 weights),
+``summary`` (at the end; on rank 0 with every rank's codes; ``skipped``:
+the skipped steps). Every record carries ``rank``. A distributed run writes
 ``<stem>.rank<N><suffix>`` per rank (``run.jsonl`` -> ``run.rank1.jsonl``).
 """
 
@@ -60,12 +64,18 @@ class JsonlWriter:
         numbers = {k: _number(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.write({"type": "log", "step": step, **numbers})
 
+    def updates(self, record: Dict[str, Any]) -> None:
+        self.write({"type": "updates", **{k: _number(v) if isinstance(v, float) else v for k, v in record.items()}})
+
+    def skip(self, record: Dict[str, Any]) -> None:
+        self.write({"type": "skip", **record})
+
     def finding(self, finding) -> None:
         self.write({"type": "finding", **finding.to_dict()})
 
     def summary(self, monitor, per_rank: Optional[List[List[str]]]) -> None:
         record = {"type": "summary", "steps": monitor.steps_done, "findings": [f.code for f in monitor.findings],
-                  "text": monitor.summary()}
+                  "skipped": [s["step"] for s in monitor.skipped], "text": monitor.summary()}
         if per_rank is not None:
             record["ranks"] = per_rank
         self.write(record)

@@ -34,6 +34,14 @@ CODES: Dict[str, Tuple[str, str]] = {
     "rope_low_precision": (WARNING, "a rotary inv_freq buffer is not float32 during training"),
     "token_id_out_of_range": (ERROR, "an input id is at or above the embedding's row count (raised before the forward)"),
     "ranks_identical_batches": (ERROR, "every rank received the same batch (a sampler that does not shard)"),
+    # learning progress judged from first principles (detectors/progress.py, updates.py, data.py, trainable.py)
+    "loss_diverging": (ERROR, "the loss climbed above a uniform predictor's (ln of the classes the head scores) or far above its early level, and stayed there"),
+    "updates_lost": (ERROR, "most sampled weight elements with a non-zero gradient did not change: bf16/fp16 weights without fp32 master copies round the optimizer's steps away"),
+    "updates_vanishing": (WARNING, "the optimizer's steps are negligible next to the weights (||dw||/||w|| below update_ratio_min): a learning rate or clipping far too small"),
+    "updates_too_large": (WARNING, "an optimizer step moved the sampled weights by more than their own size (||dw||/||w|| above update_ratio_max)"),
+    "no_eos_target": (WARNING, "a causal LM trained on padded rows of different lengths in which no scored label is EOS: it never learns to stop"),
+    "model_in_eval_mode": (WARNING, "the optimizer steps after forwards made in eval mode (model.eval() never undone): dropout is off, and the monitor sees no training forward"),
+    "trainable_not_in_optimizer": (ERROR, "parameters with requires_grad that are in no optimizer parameter group: they get gradients and never change"),
     # what users get wrong in their data and configuration (checked on the first data_steps steps' batches and
     # every read_every steps after)
     "labels_preshifted": (ERROR, "the labels equal the inputs shifted by one: a causal LM shifts them again and learns the token after next"),
@@ -51,7 +59,9 @@ CODES: Dict[str, Tuple[str, str]] = {
     "checkpoint_tensor_changed": (ERROR, "a saved tensor's dtype, shape or values differ from the model's in memory"),
 }
 
-POLICIES = ("warn", "raise")
+POLICIES = ("warn", "raise", "skip")
+# the codes policy "skip" may name: the step's update is not applied (core.py, "the skip defence")
+SKIPPABLE = ("nonfinite_loss", "nonfinite_grad", "loss_spike", "grad_norm_spike")
 READS = ("auto", "step", "log")
 
 # name -> default. The per-step work is what README.md / the module docstring promise: no option turns on
@@ -68,6 +78,14 @@ DEFAULTS: Dict[str, Any] = {
     "read": "auto",  # when device-side values are read: "auto" (CPU: every step; else logging steps), "step", "log"
     "read_every": 50,  # custom loops, read="log" on an accelerator: read every N steps (and at read()/close())
     "localize": True,  # re-run a non-finite batch once with per-module hooks
+    "max_skips": 5,  # policy "skip": this many consecutive skipped steps raise MonitorError
+    # learning progress (loss_diverging, updates_*): chosen so that healthy runs give no finding
+    "diverge_steps": 5,  # loss_diverging: consecutive optimizer steps above the threshold
+    "diverge_factor": 3.0,  # loss_diverging: "far above its early level" is above diverge_factor x that level (and +1)
+    "update_every": 10,  # update statistics on the first update_every optimizer steps, then every update_every-th
+    "update_ratio_min": 1e-6,  # updates_vanishing: median ||dw||/||w|| of the sampled tensors below this
+    "update_ratio_max": 1.0,  # updates_too_large: a step's median ||dw||/||w|| above this
+    "lost_share": 0.5,  # updates_lost: share of sampled elements with a non-zero gradient left unchanged
     "log": None,  # JSONL path (default: FTSHIMS_MONITOR_LOG)
     # the data and configuration checks: chosen so that healthy runs give no finding
     "data_steps": 4,  # the batches of the first N optimizer steps are checked (then those of every read_every-th step)
@@ -80,9 +98,12 @@ DEFAULTS: Dict[str, Any] = {
     "loss_steps": 5,  # loss_not_moving judges the first N optimizer steps' losses (N >= 2)
 }
 
-_POSITIVE_INTS = ("warmup", "grad_steps", "eos_steps", "hash_every", "frozen_samples", "read_every", "data_steps")
+_POSITIVE_INTS = ("warmup", "grad_steps", "eos_steps", "hash_every", "frozen_samples", "read_every", "data_steps",
+                  "max_skips", "diverge_steps", "update_every")
+_POSITIVE_NUMBERS = ("update_ratio_min", "update_ratio_max")
 # shares: a number in [0, 1); the finding fires when the share seen is above it
-SHARES = ("no_target_share", "truncated_share", "shifted_share", "padding_share", "doubled_share", "lr_zero_share")
+SHARES = ("no_target_share", "truncated_share", "shifted_share", "padding_share", "doubled_share", "lr_zero_share",
+          "lost_share")
 
 
 def _where(name: str, source: str) -> str:
@@ -95,15 +116,25 @@ def check_policy(value: Any, source: str = "options") -> Dict[str, str]:
     policy = {code: "warn" for code in CODES}
     policy["token_id_out_of_range"] = "raise"  # the forward would crash anyway: fail with the clear message
     if isinstance(value, str):
-        chosen = _choice(where, value, POLICIES)
+        chosen = _choice(where, value, ("warn", "raise"))
         if chosen == "raise":
             policy = {code: "raise" for code in CODES}
         return policy
     if not isinstance(value, Mapping):
-        raise invalid(where, value, f"expected 'warn', 'raise' or {{code: 'warn'/'raise'}}, got {value!r}", POLICIES)
+        raise invalid(where, value, f"expected 'warn', 'raise' or {{code: 'warn'/'raise'/'skip'}}, got {value!r}", POLICIES)
     for code, each in value.items():
-        policy[check_code(code, where)] = _choice(f"{where}[{code!r}]", each, POLICIES)
+        code = check_code(code, where)
+        chosen = _choice(f"{where}[{code!r}]", each, POLICIES)
+        if chosen == "skip" and code not in SKIPPABLE:
+            raise invalid(f"{where}[{code!r}]", each, f"'skip' drops a step's update, which only a symptom seen before the "
+                          f"update can justify: {', '.join(SKIPPABLE)}; {code!r} takes 'warn' or 'raise'", ("warn", "raise"))
+        policy[code] = chosen
     return policy
+
+
+def skip_codes(policy: Mapping[str, str]) -> frozenset:
+    """The codes whose policy is ``"skip"``."""
+    return frozenset(code for code, each in policy.items() if each == "skip")
 
 
 def check_code(code: Any, where: str) -> str:
@@ -145,6 +176,19 @@ def check(given: Optional[Mapping[str, Any]] = None, source: str = "options") ->
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise invalid(_where(name, source), value, f"expected a share in [0, 1), got {value!r}", ["any number >= 0 and < 1"])
         merged[name] = float(value)
+    for name in _POSITIVE_NUMBERS:
+        value = merged[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise invalid(_where(name, source), value, f"expected a positive number, got {value!r}", ["any number > 0"])
+        merged[name] = float(value)
+    if merged["update_ratio_min"] >= merged["update_ratio_max"]:
+        raise invalid(_where("update_ratio_min", source), merged["update_ratio_min"],
+                      f"update_ratio_min ({merged['update_ratio_min']:g}) must be below update_ratio_max "
+                      f"({merged['update_ratio_max']:g})", ["a number below update_ratio_max"])
+    factor = merged["diverge_factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 < factor < float("inf"):
+        raise invalid(_where("diverge_factor", source), factor, f"expected a number > 1, got {factor!r}", ["any number > 1"])
+    merged["diverge_factor"] = float(factor)
     sigmas = merged["spike_sigmas"]
     if isinstance(sigmas, bool) or not isinstance(sigmas, (int, float)) or not sigmas > 0:
         raise invalid(_where("spike_sigmas", source), sigmas, f"expected a positive number, got {sigmas!r}", ["any number > 0"])

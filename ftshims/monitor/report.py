@@ -32,6 +32,8 @@ class Run:
         self.header = next((r for r in records if r.get("type") == "header"), {})
         self.summary = next((r for r in records if r.get("type") == "summary"), None)
         self.findings = [r for r in records if r.get("type") == "finding"]
+        self.skips = [r for r in records if r.get("type") == "skip"]
+        self.updates = [r for r in records if r.get("type") == "updates" and _float(r.get("ratio")) is not None]
         self.file = records[0].get("_file", "") if records else ""
         self.rank = self.header.get("rank", records[0].get("rank", 0) if records else 0)
         steps = [r for r in records if r.get("type") == "step"]
@@ -72,6 +74,14 @@ def summary_text(runs: List[Run]) -> str:
                 if bad:
                     text += f"; non-finite at {len(bad)} step(s) from step {bad[0]}"
                 lines.append(text)
+        if run.updates:
+            ratios = [_float(r["ratio"]) for r in run.updates]
+            lines.append(f"  update ratio ||dw||/||w|| (median of the sampled tensors, {len(ratios)} sampled steps): "
+                         f"first {ratios[0]:.3g}, last {ratios[-1]:.3g}, min {min(ratios):.3g}, max {max(ratios):.3g}")
+        if run.skips:
+            lines.append(f"  {len(run.skips)} update(s) skipped (policy skip): " + ", ".join(
+                f"step {r.get('step')} ({', '.join(r.get('reasons') or [])}; by {r.get('by')})" for r in run.skips[:20])
+                + (" ..." if len(run.skips) > 20 else ""))
         if not run.findings:
             lines.append("  no findings")
         for f in run.findings:

@@ -31,8 +31,9 @@ def _run(rows, steps=4, **kwargs):
     return result
 
 
-def _padded(n=32, seq=16, end_with_eos=False, seed=0):
-    """Rows of 8..seq tokens, right-padded with PAD to seq; labels -100 on the padding (the healthy form)."""
+def _padded(n=32, seq=16, end_with_eos=True, seed=0):
+    """Rows of 8..seq tokens ending with EOS, right-padded with PAD to seq; labels -100 on the padding (the healthy
+    form; ``end_with_eos=False``: rows that never end, no_eos_target's case)."""
     rows = corpus(n=n, seq=seq, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     lengths = torch.randint(8, seq + 1, (n,), generator=g)
@@ -152,7 +153,10 @@ def test_loss_that_does_not_move():
     ftshims.apply()
     result = train(_model(), rows_dataset(rows), max_steps=6, trainer_kwargs={"optimizers": (stray, None)})
     assert result.error is None, result.error
-    finding = result.only("loss_not_moving")
+    # the cause, at train begin: the optimizer holds none of this model's parameters; then the symptom
+    assert result.codes == ["trainable_not_in_optimizer", "loss_not_moving"], [f.line() for f in result.findings]
+    assert result.findings[0].step == 0 and "none of them is" in result.findings[0].message
+    finding = result.findings[1]
     assert finding.step == 5 and len(set(finding.detail["losses"])) == 1
     assert finding.detail["trainable_parameters"] == sum(p.numel() for p in result.trainer.model.parameters())
 

@@ -41,6 +41,19 @@ BAD_OPTIONS = [
     ({"lr_zero_share": -0.1}, "expected a share in [0, 1)", ""),
     ({"doubled_share": None}, "expected a share in [0, 1)", ""),
     ({"off": ["bos_double"]}, "unknown detector code 'bos_double'", "did you mean 'bos_doubled'?"),
+    # issue 35: the skip defence and learning progress
+    ({"policy": {"labels_all_ignored": "skip"}}, "'labels_all_ignored' takes 'warn' or 'raise'", "allowed: warn, raise"),
+    ({"policy": "skip"}, "got 'skip'", "allowed: warn, raise"),
+    ({"policy": {"nonfinite_loss": "skp"}}, "got 'skp'", "did you mean 'skip'?"),
+    ({"max_skips": 0}, "expected a positive int", ""),
+    ({"diverge_steps": 2.0}, "expected a positive int", ""),
+    ({"diverge_factor": 1}, "expected a number > 1", ""),
+    ({"update_every": -1}, "expected a positive int", ""),
+    ({"update_ratio_min": 0}, "expected a positive number", ""),
+    ({"update_ratio_max": float("inf")}, "expected a positive number", ""),
+    ({"update_ratio_min": 2.0}, "must be below update_ratio_max", ""),
+    ({"lost_share": 1.0}, "expected a share in [0, 1)", ""),
+    ({"off": ["update_lost"]}, "unknown detector code 'update_lost'", "did you mean 'updates_lost'?"),
 ]
 
 pytestmark = default_stack_only

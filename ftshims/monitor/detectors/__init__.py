@@ -9,6 +9,8 @@ detector under those, so a per-step hook calls no detector that does nothing the
 * ``output(mon, micro, output)``: after every training forward; device work only;
 * ``grads(mon)``: once per optimizer step, gradients complete, before the update; host facts only
   (``p.grad is None``), no device reads;
+* ``updated(mon)``: right after the optimizer's update (its step post-hook; not called for a step the
+  skip defence dropped); device work only;
 * ``read(mon, view)``: at a read point, with the host values of one step (:class:`~ftshims.monitor.core.StepView`);
 * ``check(mon)``: the periodic checks (logging steps, ``read_every``, the end);
 * ``close(mon)``: at the end of training;
@@ -21,7 +23,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import List
 
-MOMENTS = ("begin", "batch", "output", "grads", "read", "check", "close", "saved")
+MOMENTS = ("begin", "batch", "output", "grads", "updated", "read", "check", "close", "saved")
 
 
 class Detector:
@@ -34,6 +36,8 @@ class Detector:
     def output(self, mon, micro, output) -> None: ...
 
     def grads(self, mon) -> None: ...
+
+    def updated(self, mon) -> None: ...
 
     def read(self, mon, view) -> None: ...
 
@@ -56,7 +60,9 @@ def all_detectors() -> List[Detector]:
     from .schedule import LrScheduleCannotTrain
     from .spikes import GradNormSpike, LossSpike
     from .tokens import TokenIdOutOfRange
-    from .trainable import FrozenParamChanged, NothingTrainable, TrainableWithoutGrad
+    from .trainable import FrozenParamChanged, NothingTrainable, TrainableNotInOptimizer, TrainableWithoutGrad
+    from .progress import LossDiverging, ModelInEvalMode
+    from .updates import UpdateStats
 
     return [
         TokenIdOutOfRange(), NothingTrainable(), TrainableWithoutGrad(), FrozenParamChanged(), NonFinite(),
@@ -64,6 +70,8 @@ def all_detectors() -> List[Detector]:
         PackingContaminated(), RopeLowPrecision(), RanksIdenticalBatches(),
         SpecialTokenInvalid(), DataChecks(), LrScheduleCannotTrain(), LossNotMoving(),
         CheckpointVerified(),
+        # learning progress from first principles (issue 35)
+        LossDiverging(), UpdateStats(), TrainableNotInOptimizer(), ModelInEvalMode(),
     ]
 
 

@@ -29,6 +29,14 @@ the shares are judged over every batch checked so far, once the first
   (padded) rows do end with one: truncation cut their responses, and the model learns
   to never stop. Fixed-length chunks (no shorter rows) and data whose rows do not end
   in EOS are not judged.
+* ``no_eos_target`` (causal LMs): rows of different lengths (padded: shorter than the longest row of their
+  batch, by the attention mask or the pad runs) and no scored label in any checked batch is an EOS id (the
+  tokenizer's, the config's or the generation config's), whatever the pad token is: the model is never
+  trained to emit EOS and generates until max_new_tokens. Judged on the batches of ``data_steps`` steps and
+  at least ``MIN_ROWS`` rows (not at the end of a shorter run). Fixed-length chunks and packed rows (no row
+  shorter than another), encoders and encoder-decoders are not judged. With pad = EOS and EOS among the
+  attended inputs, a collator masked the real EOS with the padding: that is ``eos_never_target``'s finding
+  (it names the catalogue's fixes), and this one stays out.
 
 :class:`SpecialTokenInvalid` (``special_token_invalid``, at train begin): a BOS/EOS id
 of the tokenizer or the model's config outside the embedding's rows (a token added
@@ -44,8 +52,11 @@ from typing import Dict, List, Optional
 from . import Detector
 from .. import facts
 
-DATA_CODES = ("labels_preshifted", "padding_trained_on", "bos_doubled", "rows_without_target", "rows_truncated")
+DATA_CODES = ("labels_preshifted", "padding_trained_on", "bos_doubled", "rows_without_target", "rows_truncated",
+              "no_eos_target")
+STOP_IDS = 8  # at most this many EOS ids (tokenizer, config, generation config) are compared
 MIN_COMPARED = 8  # labels_preshifted needs at least this many labels compared
+MIN_ROWS = 8  # no_eos_target needs at least this many rows with targets
 
 
 def bos_id(model, tokenizer) -> Optional[int]:
@@ -59,6 +70,19 @@ def bos_id(model, tokenizer) -> Optional[int]:
     if isinstance(value, (list, tuple)):
         value = value[0] if value else None
     return value if isinstance(value, int) else None
+
+
+def stop_ids(model, eos: List[int]) -> List[int]:
+    """Every id that ends a generation: the tokenizer's EOS (``eos``), the config's and the generation config's
+    (a chat model often stops on several: ``<|im_end|>`` and ``<|endoftext|>``)."""
+    found = list(eos)
+    base = facts.base_model(model)
+    for source in (facts.config(model), getattr(base, "generation_config", None)):
+        value = facts.config_value(source, "eos_token_id") if source is not None else None
+        for each in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(each, int) and not isinstance(each, bool) and each >= 0 and each not in found:
+                found.append(each)
+    return found[:STOP_IDS]
 
 
 def _share(part: int, whole: int) -> float:
@@ -82,6 +106,7 @@ class DataChecks(Detector):
         self.eos: List[int] = [e for e in ids.eos if isinstance(e, int)][:4]
         self.pad: Optional[int] = ids.pad
         self.bos = bos_id(mon.model, mon.tokenizer)
+        self.stop = stop_ids(mon.model, self.eos)
         cfg = facts.config(mon.model)
         self.encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False))
         self.on = {code: code not in mon.options["off"] for code in DATA_CODES}
@@ -164,6 +189,8 @@ class DataChecks(Detector):
                 padding = pad_runs[:, 1:] if padding is None else padding | pad_runs[:, 1:]
             ints["d_scored"] = scored.sum()
             ints["d_padlab"] = (scored & padding).sum()
+        if self.on["no_eos_target"] and self.stop:
+            self._stop_labels(ids, labels, scored, per_row, mask, pad_runs, ints)
         if self.on["rows_truncated"] and self.eos:
             if mask is not None:
                 lengths = mask.sum(-1)
@@ -187,6 +214,27 @@ class DataChecks(Detector):
             ints["d_short_eos"] = (short & ends_eos).sum()
             ints["d_cut"] = (has & full & ~ends_eos).sum()
             ints["d_longest"] = longest
+
+    def _stop_labels(self, ids, labels, scored, per_row, mask, pad_runs, ints) -> None:
+        """Scored labels that are an EOS id, and rows shorter than the longest of their batch (device counts)."""
+        if mask is not None:
+            lengths = mask.sum(-1)
+        elif pad_runs is not None:
+            lengths = labels.shape[1] - pad_runs.sum(-1)
+        else:
+            return  # no mask and pad = EOS (or no pad id): row lengths cannot be told
+        targets = labels[:, 1:]
+        stop = targets.eq(self.stop[0])
+        for other in self.stop[1:]:
+            stop = stop | targets.eq(other)
+        has = per_row.gt(0)
+        if self.pad is not None and self.pad in self.stop and mask is not None:
+            # attended EOS in the inputs with pad = EOS: a collator masked them with the padding, which is
+            # eos_never_target's finding (it names the catalogue's fixes); this one stays out of it
+            ints["d_eos_in"] = (ids.eq(self.pad) & mask).sum()
+        ints["d_eos_scored"] = (stop & scored).sum()
+        ints["d_vrows"] = has.sum()
+        ints["d_vshort"] = (has & lengths.lt(lengths.max())).sum()
 
     @staticmethod
     def _rows_without_target(per_row, ints) -> None:
@@ -267,6 +315,19 @@ class DataChecks(Detector):
                        "they train nothing (a response cut off by truncation, or a completion template not found); "
                        "raise max_length or truncate the prompt instead, and drop rows without targets",
                        candidates, {"rows_without_target": empty, "rows": lrows, "fraction": _share(empty, lrows)})
+        vrows, vshort, stops = c.get("d_vrows", 0), c.get("d_vshort", 0), c.get("d_eos_scored", 0)
+        # evidence of a training run: the batches of data_steps optimizer steps and MIN_ROWS rows (a run of one or
+        # two steps, such as the zoo gate's, says nothing about how the data end)
+        enough = len(self.judged_steps) >= opts["data_steps"] and vrows >= MIN_ROWS
+        if enough and vshort and not stops and not c.get("d_eos_in") and "d_eos_scored" in c:
+            pad_is_eos = self.pad is not None and self.pad in self.stop
+            mon.report("no_eos_target", step,
+                       f"no scored label is EOS (ids {self.stop}) in {vrows} rows {batches}, {vshort} of them padded "
+                       f"(shorter than their batch): the model is never trained to stop and generates until "
+                       "max_new_tokens; the rows do not end with EOS"
+                       + (f" (pad = EOS, id {self.pad}: the tokenizer must still append one to each row)" if pad_is_eos
+                          else "") + ": append tokenizer.eos_token to each response and keep its label", (),
+                       {"rows": vrows, "padded_rows": vshort, "eos_labels": 0, "eos_ids": self.stop, "pad_id": self.pad})
         trows, cut = c.get("d_trows", 0), c.get("d_cut", 0)
         short, short_eos = c.get("d_short", 0), c.get("d_short_eos", 0)
         if cut and short_eos and 2 * short_eos >= short and _share(cut, trows) > opts["truncated_share"]:

@@ -112,7 +112,7 @@ class EosNeverTarget(_Labels):
         if self.steps < mon.options["eos_steps"]:
             return
         self.active = False  # judged once, then the per-batch counting stops
-        if self.eos_in and not self.eos_labels:
+        if self.eos_in and not self.eos_labels and not mon.seen("no_eos_target"):  # that finding named it already
             mon.report("eos_never_target", view.step,
                        f"pad = EOS (id {self.pad}) and EOS occurs {self.eos_in} times in the inputs of {self.steps} steps, "
                        "but no label is EOS: the collator masked every EOS with the padding, so the model never learns to stop",

@@ -46,6 +46,7 @@ class _Spike(Detector):
             spread = 1.4826 * median(abs(v - mid) for v in self.history)
             threshold = mid + max(mon.options["spike_sigmas"] * spread, self.floor * abs(mid))
             if value > threshold:
+                mon.note_spike(self.code, step)  # policy "skip" drops this step's update
                 if not self.in_episode and mon.seen(self.code) < MAX_FINDINGS:
                     mon.report(self.code, step,
                                f"the {self.what} jumped to {value:.4g} (median of the last {len(self.history)} steps "
@@ -77,6 +78,8 @@ class LossSpike(_Spike):
 
     def logged(self, mon, step: int, logs) -> None:
         """The Trainer's logged loss, used only when the model returns none (TRL's DPO, custom compute_loss)."""
+        if any("loss" in micro.floats for micro in mon._pending):  # not read yet (an accelerator), but there
+            self.model_losses = True
         if not self.model_losses and isinstance(logs.get("loss"), (int, float)):
             self.observe(mon, step, float(logs["loss"]))
 

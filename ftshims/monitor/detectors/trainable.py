@@ -188,3 +188,40 @@ def _checksum(p) -> tuple:
     part = flat[:: max(1, flat.numel() // SAMPLED_ELEMENTS)]
     wide = part.to(torch.float32 if part.device.type == "mps" else torch.float64)
     return tuple(torch.stack([wide.sum(), wide.square().sum()]).tolist())
+
+
+class TrainableNotInOptimizer(Detector):
+    """``trainable_not_in_optimizer`` (train begin, host facts only): parameters with ``requires_grad`` that are
+    in no parameter group of the optimizer. They get gradients (memory, compute) and never change: an optimizer
+    built before ``get_peft_model`` / ``resize_token_embeddings`` / unfreezing layers / ``fully_shard``, or a
+    custom one built on a filtered list. Compared by identity; a tied weight counts once. Not judged without a
+    torch optimizer (the zoo gate's steps, a custom loop without one) or under DeepSpeed (its optimizer holds
+    flattened partitions, not the model's parameters)."""
+
+    codes = ("trainable_not_in_optimizer",)
+
+    def begin(self, mon) -> None:
+        import torch
+
+        optimizer = mon.optimizer
+        if mon._zero is not None or not isinstance(optimizer, torch.optim.Optimizer):
+            return
+        held = {id(p) for group in optimizer.param_groups for p in group.get("params", ())}
+        if not held:
+            return
+        unused = _unused_by_design(mon.model)
+        missing = [name for name, p in mon.model.named_parameters()
+                   if p.requires_grad and id(p) not in held and name not in unused]
+        if not missing:
+            return
+        trainable = sum(1 for p in mon.model.parameters() if p.requires_grad)
+        modules = _group(missing)
+        shown = ", ".join(list(modules)[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+        none = len(missing) == trainable
+        mon.report("trainable_not_in_optimizer", 0,
+                   f"{len(missing)} of {trainable} trainable parameters are in no optimizer parameter group "
+                   f"({'none of them is: ' if none else ''}{shown}): they get gradients and never change; build "
+                   "the optimizer after the model is final (after get_peft_model, resize_token_embeddings, "
+                   "unfreezing, fully_shard), from model.parameters(), or freeze what it should not train",
+                   (), {"parameters": len(missing), "trainable": trainable, "modules": dict(list(modules.items())[:50]),
+                        "optimizer": type(optimizer).__name__})
