@@ -42,4 +42,5 @@ SHIM_IDS = (
     "moe_router_logits_not_recorded",
     "resize_embeddings_frozen_under_zero3",
     "untied_head_retied_after_load",
+    "peft_prompt_learning_num_items_undercount",
 )
