@@ -43,4 +43,5 @@ SHIM_IDS = (
     "resize_embeddings_frozen_under_zero3",
     "untied_head_retied_after_load",
     "peft_prompt_learning_num_items_undercount",
+    "encoder_packing_block_mask",
 )

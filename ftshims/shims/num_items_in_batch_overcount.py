@@ -50,7 +50,7 @@ count is divided for tensor/context/sequence parallelism (5.24:
 
 Beyond upstream: only a model whose ``forward`` computes its loss with
 ``self.loss_function``, or hands its labels to the one child that does (a decoder whose ``loss_type`` maps to
-``ForCausalLMLoss``: Kosmos-2's ``text_model``, Voxtral's ``language_model``; since ftshims 0.3.0, issue 37: 16
+``ForCausalLMLoss``: Kosmos-2's ``text_model``; since ftshims 0.3.0, issue 37: 16
 counted for 14 scored labels on a tiny Kosmos-2, 4.57.6), is counted over ``labels[..., 1:]``. The decoders of
 encoder-decoder families (BartForCausalLM, Pegasus, Marian, mBART, Blenderbot,
 PLBart, MVP, BigBird-Pegasus) and CpmAnt are ``*ForCausalLM`` by name but score
@@ -119,7 +119,7 @@ def loss_shifts_labels(trainer) -> bool:
 
 def delegated_causal_loss(model):
     """The sub-model that computes ``model``'s loss, when ``model.forward`` hands its labels to one (Kosmos-2's
-    ``text_model``, Voxtral's ``language_model``) instead of calling ``self.loss_function``; else None.
+    ``text_model``) instead of calling ``self.loss_function``; else None.
 
     A direct child counts when ``model.forward`` names it (``self.<child>(...)``), it is a decoder (not an
     encoder-decoder) whose ``loss_type`` maps to ``ForCausalLMLoss``, whose own ``forward`` takes ``labels`` and
