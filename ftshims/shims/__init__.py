@@ -44,4 +44,5 @@ SHIM_IDS = (
     "untied_head_retied_after_load",
     "peft_prompt_learning_num_items_undercount",
     "encoder_packing_block_mask",
+    "neftune_noise_packed_rows",
 )
