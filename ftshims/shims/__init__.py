@@ -45,4 +45,5 @@ SHIM_IDS = (
     "peft_prompt_learning_num_items_undercount",
     "encoder_packing_block_mask",
     "neftune_noise_packed_rows",
+    "falcon_alibi_doubled_eager",
 )
