@@ -46,4 +46,5 @@ SHIM_IDS = (
     "encoder_packing_block_mask",
     "neftune_noise_packed_rows",
     "falcon_alibi_doubled_eager",
+    "recurrentgemma_kv_cache_in_training",
 )

@@ -1,0 +1,64 @@
+"""recurrentgemma_kv_cache_in_training: a RecurrentGemma training forward with the config's default use_cache=True
+trains k_proj and v_proj (transformers 4.40-5.3 took them from a @torch.no_grad() cache update: grad None)."""
+
+from tests.shimcheck import assert_bug_and_fix, applied_or_skip
+
+import ftshims
+from ftshims import registry
+
+SHIM = "recurrentgemma_kv_cache_in_training"
+probe_module = registry.get(SHIM).module
+ACTION = "training attention calls kept out of the no-grad cache"
+
+
+def test_default_training_step_trains_k_and_v(evidence):
+    assert_bug_and_fix(SHIM, evidence, "tiny RecurrentGemma, training step with the default use_cache=True")
+
+
+def test_same_loss_and_the_gradients_of_use_cache_false():
+    """The training step's loss is bit-identical to upstream's (a sequence within the attention window: the cache
+    path gives the same keys), k_proj/v_proj get exactly the gradients of a fresh model's use_cache=False step, and
+    a second step follows without error (on 4.x a model-wide use_cache=False fails at the second step)."""
+    import torch
+
+    plain_loss, _ = probe_module.training_step(probe_module.tiny_recurrent_gemma())
+    _, reference = probe_module.training_step(probe_module.tiny_recurrent_gemma(), use_cache=False)
+    context = applied_or_skip(SHIM)
+    try:
+        model = probe_module.tiny_recurrent_gemma()
+        loss, grads = probe_module.training_step(model)
+        second, _ = probe_module.training_step(model)
+        actions = ftshims.status()[SHIM].actions
+    finally:
+        context.__exit__(None, None, None)
+    assert torch.equal(loss, plain_loss) and torch.equal(second, plain_loss)
+    assert all(torch.equal(grads[name], reference[name]) for name in reference)
+    assert actions == {ACTION: 2}  # one attention block, two steps
+
+
+def test_generation_and_evaluation_keep_the_cache():
+    """Do no harm: generate() and an eval forward run exactly as without the shim (token for token, score for
+    score), and it never acts."""
+    import torch
+
+    from ftshims import tiny
+
+    def run():
+        model = probe_module.tiny_recurrent_gemma().eval()
+        prompt = probe_module.ids()[:1, :4]
+        with tiny.quiet():
+            generated = model.generate(prompt, max_new_tokens=4, do_sample=False, output_scores=True,
+                                       return_dict_in_generate=True)
+        with torch.no_grad():
+            logits = model(input_ids=probe_module.ids()).logits
+        return [generated.sequences, *generated.scores, logits]
+
+    plain = run()
+    context = applied_or_skip(SHIM)
+    try:
+        shimmed = run()
+        actions = ftshims.status()[SHIM].actions
+    finally:
+        context.__exit__(None, None, None)
+    assert len(plain) == len(shimmed) and all(torch.equal(a, b) for a, b in zip(plain, shimmed))
+    assert actions == {}
