@@ -15,6 +15,8 @@ branch (not sdpa, or ``output_attentions``) with ``alibi`` given, a 4D attention
 into) and no head mask (4.x skips the fold when a head mask is given, and then the eager add is the only one), it
 passes ``alibi`` as zeros, so the scores get the bias once, from the mask, as the sdpa branch and 5.25 do. Every
 other call, rotary Falcon (no ``alibi``) and the sdpa branch included, is left exactly as it was.
+
+Follow-ups: 5.25.0's rewrite (read in the wheel) adds ALiBi through the mask only, which the shim carries for the eager branch; the same rewrite makes the rotary eager/sdpa path apply attention_dropout, which <=5.24 ignored: not carried (it changes only configs that set a dropout, not this bug). No release after 5.25.0 to read.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from ..spec import Observation, ShimSpec, Target, TargetMissing
 
 MODULE = "transformers.models.falcon.modeling_falcon"
 PARAMS = ("alibi", "attention_mask", "output_attentions")
+# 5.25.0 fixed it by rewriting Falcon on the attention interface; no PR number found
+FIXED_CODE = "https://github.com/huggingface/transformers/blob/v5.25.0/src/transformers/models/falcon/modeling_falcon.py"
+FOLLOW_UPS = ("5.25.0's rewrite (read in the wheel) adds ALiBi through the mask only, which the shim carries for the eager branch; the same rewrite makes the rotary eager/sdpa path apply attention_dropout, which <=5.24 ignored: not carried (it changes only configs that set a dropout, not this bug). No release after 5.25.0 to read.")
 
 SPEC = ShimSpec(
     id="falcon_alibi_doubled_eager",
@@ -40,10 +45,13 @@ SPEC = ShimSpec(
     requires={"transformers": ">=4.45.0,<5.25.0"},
     fixed_in={"transformers": "5.25.0"},
     refs=(
+        FIXED_CODE,
         "https://github.com/huggingface/transformers/issues/29067",
         "https://github.com/huggingface/transformers/issues/29946",
         "https://github.com/huggingface/transformers/pull/30123",
     ),
+    backports=(FIXED_CODE,),
+    follow_ups_checked=FOLLOW_UPS,
     targets=(Target(MODULE, "FalconAttention.forward", params=PARAMS),),
     modules=(MODULE,),
 )

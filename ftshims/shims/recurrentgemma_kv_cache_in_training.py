@@ -23,6 +23,8 @@ gradients. Longer training sequences: the cache path keeps only the last window 
 mask cut to the first window's columns), the uncached path attends with the model's own sliding-window mask; that
 difference is upstream's, not measured against 5.4 here. Evaluation, ``torch.no_grad()`` and ``generate()`` keep the
 cache exactly as they had it.
+
+Follow-ups: 5.4.0 (read in the wheel) moved the attention onto the shared DynamicCache, without the no-grad update; 5.16.1 and 5.25.0 (run) give k_proj/v_proj gradients in every mode. The shim does not port that change: it keeps the attention out of the old cache in training forwards, which gives the gradients 5.4.0 gives.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from .._util import acted, method_binder
 from ..spec import Observation, ShimSpec, Target, TargetMissing
 
 MODULE = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
+# 5.4.0 fixed it (the DynamicCache move); no PR number found
+FIXED_CODE = ("https://github.com/huggingface/transformers/blob/v5.4.0/src/transformers/models/recurrent_gemma/"
+              "modeling_recurrent_gemma.py")
+FOLLOW_UPS = ('5.4.0 (read in the wheel) moved the attention onto the shared DynamicCache, without the no-grad update; 5.16.1 and 5.25.0 (run) give k_proj/v_proj gradients in every mode. The shim does not port that change: it keeps the attention out of the old cache in training forwards, which gives the gradients 5.4.0 gives.')
 
 SPEC = ShimSpec(
     id="recurrentgemma_kv_cache_in_training",
@@ -47,9 +53,12 @@ SPEC = ShimSpec(
     requires={"transformers": ">=4.40.0,<5.4.0"},
     fixed_in={"transformers": "5.4.0"},
     refs=(
+        FIXED_CODE,
         "https://github.com/huggingface/transformers/pull/30143",
         "https://github.com/huggingface/transformers/pull/43203",
     ),
+    backports=(FIXED_CODE,),
+    follow_ups_checked=FOLLOW_UPS,
     targets=(Target(MODULE, "RecurrentGemmaSdpaAttention.forward", params=("use_cache",)),),
     modules=(MODULE,),
 )
