@@ -9,8 +9,8 @@ row, x1/sqrt(n) for n equal examples (measured on 4.57.6 and 5.25.0: std 0.0080 
 with NEFTune nominally on and its regularisation mostly gone, silently (huggingface/transformers#34659; PR #35799, which
 would scale per sequence, is open).
 
-When: transformers >=4.57.0 (read in 4.57.6, 5.1.0, 5.16.1, 5.25.0: the hook is unchanged since 4.35; unfixed in
-5.25.0). The shim wraps ``Trainer.training_step``, which notes the batch's ``position_ids`` when the batch is
+When: transformers >=4.35.0, NEFTune's first release (the hook is the same in every release read, 4.35-5.25; run on
+4.40.2, 4.46.3, 4.57.6, 5.1.0, 5.16.1, 5.25.0; unfixed in 5.25.0). The shim wraps ``Trainer.training_step``, which notes the batch's ``position_ids`` when the batch is
 padding-free (``position_ids``, no ``attention_mask``), and the NEFTune hook where the Trainer reads it
 (``transformers.trainer``'s copy on 4.x-5.1, ``transformers.integrations.neftune`` later). During such a step the hook
 draws the very same noise as upstream (same random numbers, same ``uniform_(-m, m)`` with m = alpha / sqrt(L * d))
@@ -33,7 +33,7 @@ import contextvars
 import sys
 
 from .._util import acted, compiling, method_binder
-from ..spec import Observation, ShimSpec, Target, TargetMissing
+from ..spec import Observation, ProbeUnsupported, ShimSpec, Target, TargetMissing
 
 HOOK = "neftune_post_forward_hook"
 HOOK_MODULES = ("transformers.trainer", "transformers.integrations.neftune")
@@ -46,7 +46,7 @@ SPEC = ShimSpec(
     "instead of alpha/sqrt(example_length*d): x0.25 for 16 packed examples of 128 tokens; NEFTune mostly off, silently",
     why="The NEFTune hook scales the noise by the padded row length; a packed row holds many examples. The shim "
     "scales each token's noise by its own example's length, as the method specifies.",
-    requires={"transformers": ">=4.57.0"},
+    requires={"transformers": ">=4.35.0"},
     fixed_in={},
     refs=(
         "https://github.com/huggingface/transformers/issues/34659",
@@ -189,6 +189,10 @@ def noise_of_step(lengths=(16,) * 8, alpha: float = 5.0, padding_free: bool = Tr
 def probe(examples: int = 8, length: int = 16) -> Observation:
     """``examples`` examples of ``length`` tokens packed in one padding-free row, one Trainer step with NEFTune
     alpha 5: is each token's noise std that of its example alone (alpha / sqrt(3 * length * d))?"""
+    from transformers import TrainingArguments
+
+    if not hasattr(TrainingArguments, "neftune_noise_alpha"):
+        raise ProbeUnsupported("no NEFTune in this transformers (4.35+)")
     noise = noise_of_step((length,) * examples)
     hidden = noise.shape[-1]
     expected = 5.0 / (length * hidden) ** 0.5 / 3 ** 0.5

@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 
 from .._util import acted
-from ..spec import Observation, ShimSpec, Target
+from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 from .num_items_in_batch_overcount import prepends_ignored_labels
 
 SPEC = ShimSpec(
@@ -123,6 +123,8 @@ def probe(method: str = "prompt_tuning") -> Observation:
     from .. import tiny
     from .num_items_in_batch_overcount import _training_args
 
+    if not hasattr(Trainer, "_get_num_items_in_batch"):
+        raise ProbeUnsupported("this Trainer has no _get_num_items_in_batch (before 4.57)")
     model = prompt_model(method)
     inputs = batch()
     with tempfile.TemporaryDirectory() as out, tiny.quiet():

@@ -78,11 +78,11 @@ def test_packed_masked_lm_loss_equals_the_examples_alone():
     mask per forward."""
     import torch
     import transformers
-    from transformers import DataCollatorWithFlattening
 
     from ftshims import tiny
 
     _skip_outside_the_range()
+    from transformers import DataCollatorWithFlattening
     torch.manual_seed(0)
     with tiny.quiet():
         model = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(

@@ -73,7 +73,7 @@ def test_trl_sft_padding_free_step():
     from ftshims import tiny
     from ftshims.shims import _packing
 
-    if "padding_free" not in {f.name for f in dataclasses.fields(trl.SFTConfig)}:
+    if getattr(trl, "SFTConfig", None) is None or "padding_free" not in {f.name for f in dataclasses.fields(trl.SFTConfig)}:
         pytest.skip("this TRL has no padding_free")
     texts = [" ".join(f"w{4 + (7 * i + j) % 100}" for j in range(16)) for i in range(8)]
 

@@ -18,6 +18,11 @@ def test_prompt_learning_loss_is_the_mean_over_scored_labels(evidence, method):
     assert_bug_and_fix(SHIM, evidence, f"{method}, tiny Llama, two rows of 8 labels", method=method)
 
 
+def _skip_outside_the_range():
+    """Before anything else: before 4.57 the Trainer has no _get_num_items_in_batch to call."""
+    applied_or_skip(SHIM).__exit__(None, None, None)
+
+
 def _count(trainer, batches):
     import torch
 
@@ -43,6 +48,7 @@ def test_other_methods_and_batches_keep_upstreams_count():
 
     from ftshims import tiny
 
+    _skip_outside_the_range()
     batch = probe_module.batch()
     shifted = dict(batch, shift_labels=torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100))
     cases = [(_trainer(probe_module.prompt_model("prefix_tuning")), [batch]),
@@ -66,6 +72,7 @@ def test_prompt_tuned_count_over_accumulated_batches():
     """Two micro-batches (one right-padded): every label that is not -100 is counted, the batches untouched."""
     import torch
 
+    _skip_outside_the_range()
     trainer = _trainer(probe_module.prompt_model("prompt_tuning"))
     first = probe_module.batch()
     second = probe_module.batch()

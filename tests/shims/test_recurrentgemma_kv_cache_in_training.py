@@ -57,22 +57,20 @@ def test_prefill_longer_than_the_window_keeps_upstreams_values():
     assert grads["v_proj"] is not None and float(grads["v_proj"].abs().sum()) > 0
 
 
-def test_generation_and_evaluation_keep_the_cache():
-    """Do no harm: generate() and an eval forward run exactly as without the shim (token for token, score for
-    score), and it never acts."""
+def test_evaluation_and_no_grad_keep_the_cache():
+    """Do no harm: an eval forward, a training-mode forward under torch.no_grad() (both with the cache on, as
+    generation's prefill) and the cache buffers they leave run exactly as without the shim, and it never acts."""
     import torch
-
-    from ftshims import tiny
 
     def run():
         model = probe_module.tiny_recurrent_gemma().eval()
-        prompt = probe_module.ids()[:1, :4]
-        with tiny.quiet():
-            generated = model.generate(prompt, max_new_tokens=4, do_sample=False, output_scores=True,
-                                       return_dict_in_generate=True)
         with torch.no_grad():
-            logits = model(input_ids=probe_module.ids()).logits
-        return [generated.sequences, *generated.scores, logits]
+            evaluated = model(input_ids=probe_module.ids(), use_cache=True).logits
+        model.train()
+        with torch.no_grad():
+            no_grad = model(input_ids=probe_module.ids(), use_cache=True).logits
+        attention = model.model.layers[2].temporal_block
+        return [evaluated, no_grad, attention.key_states, attention.value_states]
 
     plain = run()
     context = applied_or_skip(SHIM)
