@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 
 from .._util import acted, method_binder
-from ..spec import Observation, ShimSpec, Target, TargetMissing
+from ..spec import Observation, ProbeUnsupported, ShimSpec, Target, TargetMissing
 
 MODULE = "transformers.models.falcon.modeling_falcon"
 PARAMS = ("alibi", "attention_mask", "output_attentions")
@@ -134,6 +134,10 @@ def gap(alibi: bool = True, output_attentions: bool = False) -> float:
 def probe(output_attentions: bool = False) -> Observation:
     """A tiny ALiBi Falcon, padded batch: do eager attention (or sdpa asked for attention weights) and sdpa give the
     same logits?"""
+    import transformers
+
+    if not hasattr(transformers, "FalconConfig"):
+        raise ProbeUnsupported("no Falcon in this transformers (4.33+)")
     value = gap(alibi=True, output_attentions=output_attentions)
     what = "sdpa with output_attentions=True" if output_attentions else "eager"
     return Observation(value > 1e-5, f"alibi Falcon, {what} vs sdpa: max |dlogit| over real tokens = {value:.3g}")

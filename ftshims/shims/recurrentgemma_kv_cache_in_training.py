@@ -38,7 +38,7 @@ from __future__ import annotations
 import sys
 
 from .._util import acted
-from ..spec import Observation, ShimSpec, Target, TargetMissing
+from ..spec import Observation, ProbeUnsupported, ShimSpec, Target, TargetMissing
 
 MODULE = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
 # 5.4.0 fixed it (the DynamicCache move); no PR number found
@@ -144,6 +144,10 @@ def training_step(model, **call):
 def probe() -> Observation:
     """A tiny RecurrentGemma, one training step with the config's default use_cache: do k_proj and v_proj get a
     gradient?"""
+    import transformers
+
+    if not hasattr(transformers, "RecurrentGemmaConfig"):
+        raise ProbeUnsupported("no RecurrentGemma in this transformers (4.40+)")
     _, grads = training_step(tiny_recurrent_gemma())
     missing = [name for name, grad in grads.items() if grad is None]
     norms = ", ".join(f"|grad {n}| {'None' if g is None else f'{float(g.norm()):.4g}'}" for n, g in grads.items())

@@ -33,7 +33,7 @@ import sys
 import weakref
 
 from .._util import acted, method_binder
-from ..spec import Observation, ShimSpec, Target
+from ..spec import Observation, ProbeUnsupported, ShimSpec, Target
 
 PARAMS = ("missing_keys", "recompute_mapping")
 
@@ -146,6 +146,8 @@ def untied_checkpoint(directory, family: str = "mt5"):
     config_class, model_class = {"t5": ("T5Config", "T5ForConditionalGeneration"),
                                  "mt5": ("MT5Config", "MT5ForConditionalGeneration"),
                                  "umt5": ("UMT5Config", "UMT5ForConditionalGeneration")}[family]
+    if not hasattr(transformers, model_class):
+        raise ProbeUnsupported(f"no {model_class} in this transformers")
     torch.manual_seed(0)
     with tiny.quiet():
         model = getattr(transformers, model_class)(getattr(transformers, config_class)(**common))

@@ -19,6 +19,11 @@ def test_eager_alibi_equals_sdpa(evidence, output_attentions):
                        output_attentions=output_attentions)
 
 
+def _skip_outside_the_range():
+    """Before anything else: outside 4.45-5.24 the shim is not needed (and before 4.33 there is no Falcon)."""
+    applied_or_skip(SHIM).__exit__(None, None, None)
+
+
 def _run(model, train=False):
     import torch
 
@@ -41,6 +46,7 @@ def test_calls_it_must_not_touch_are_bit_identical():
     without the shim, and it never acts."""
     import torch
 
+    _skip_outside_the_range()
     makers = [(lambda: probe_module.tiny_falcon("sdpa", alibi=True), True),
               (lambda: probe_module.tiny_falcon("eager", alibi=False), True)]
     plain = [_run(make(), train) for make, train in makers]
@@ -60,6 +66,7 @@ def test_eager_training_step_matches_sdpa():
     call."""
     import torch
 
+    _skip_outside_the_range()
     reference = _run(probe_module.tiny_falcon("sdpa"), train=True)
     context = applied_or_skip(SHIM)
     try:

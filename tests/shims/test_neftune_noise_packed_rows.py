@@ -15,6 +15,11 @@ def test_packed_row_gets_each_examples_noise(evidence):
     assert_bug_and_fix(SHIM, evidence, "8 examples of 16 tokens in one padding-free row, Trainer step, alpha 5")
 
 
+def _skip_outside_the_range():
+    """Before anything else: before 4.35 there is no NEFTune."""
+    applied_or_skip(SHIM).__exit__(None, None, None)
+
+
 def _noise(**kwargs):
     context = applied_or_skip(SHIM)
     try:
@@ -41,6 +46,7 @@ def test_steps_it_must_not_touch_are_bit_identical():
     padding-free row of a single example get exactly upstream's noise, number for number, and the shim never acts."""
     import torch
 
+    _skip_outside_the_range()
     cases = [dict(lengths=(16, 16, 16), padding_free=False), dict(lengths=(48,), padding_free=True)]
     plain = [probe_module.noise_of_step(**case) for case in cases]
     shimmed, actions = zip(*[_noise(**case) for case in cases])
@@ -67,6 +73,7 @@ def test_trl_sft_padding_free_step():
     import pytest
     import torch
 
+    _skip_outside_the_range()
     trl = pytest.importorskip("trl")
     import datasets
 
