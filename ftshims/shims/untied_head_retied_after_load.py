@@ -12,7 +12,8 @@ silently: ``resize_token_embeddings`` (the usual step after adding tokens) calls
 same checkpoint resized on 4.57 keeps its logits exactly).
 
 When: transformers >=5.0.0 (the forced flag, the declined pair and the recomputing ``tie_weights`` are in every 5.x
-release read, 5.0.0-5.25.0; unfixed in 5.25.0). The shim wraps ``PreTrainedModel.tie_weights``. During
+release read, 5.0.0-5.25.0, for T5 and mT5; UMT5 and LongT5 force it from a later 5.x: 5.1.0 keeps their False,
+5.16.1 forces it; unfixed in 5.25.0). The shim wraps ``PreTrainedModel.tie_weights``. During
 ``from_pretrained`` (``missing_keys`` given) it notes which pairs the loader declined to tie for that model (a weak
 reference: nothing is written on the model). On any later call it ties every pair except those, as long as they are
 still two distinct parameters: a head loaded untied stays untied, and ``resize_token_embeddings`` resizes it on its
@@ -155,7 +156,9 @@ def untied_checkpoint(directory, family: str = "mt5"):
     generator = torch.Generator().manual_seed(1)
     state["lm_head.weight"] = torch.randn(state["shared.weight"].shape, generator=generator)  # the trained head
     for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
-        state.pop(name, None)  # tied to shared in every release, as in the Hub's files
+        # the shared matrix, as separate copies: 5.1's UMT5 does not tie them to shared (a missing key would load
+        # as random values there)
+        state[name] = state["shared.weight"].clone()
     os.makedirs(directory, exist_ok=True)
     save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(directory)
