@@ -23,6 +23,10 @@ Everything else is the call as it was: models loaded tied, models built from a c
 the config, and every model when ``apply()`` came after its ``from_pretrained`` (the shim cannot know what the
 loader declined then, and stays out).
 
+Upstream: no report found; PR #42270 (5.0) made ``tie_weights()`` recompute the pairs from the config, PR #42612 (closed
+unmerged) proposed keeping apart pairs a checkpoint holds with different values; #8706 / PR #8880 taught 4.x to resize
+the separate T5 v1.1 head.
+
 Fallback: a changed ``tie_weights`` signature (no ``missing_keys`` / ``recompute_mapping``) or a model without
 ``all_tied_weights_keys`` / ``get_expanded_tied_weights_keys`` leaves the call untouched. Not fixed: 5.0.0's other T5
 v1.1 defect (wrong logits straight after loading, gone in 5.1.0).
@@ -52,6 +56,8 @@ SPEC = ShimSpec(
     requires={"transformers": ">=5.0.0"},
     fixed_in={},
     refs=(
+        "https://github.com/huggingface/transformers/pull/42270",
+        "https://github.com/huggingface/transformers/pull/42612",
         "https://github.com/huggingface/transformers/issues/8706",
         "https://github.com/huggingface/transformers/pull/8880",
     ),
