@@ -70,8 +70,9 @@ def status():
 
 
 def summary() -> str:
-    """One line: which shims are applied and what each did so far, e.g.
-    ``ftshims: 8 shims applied; acted: packing_block_mask 12 block masks built; rope_inv_freq_fp32 ...``.
+    """One line: how many shims are applied and deferred (the counts ``status()`` gives) and what each applied
+    one did so far, e.g. ``ftshims: 8 shims applied, 2 deferred (waiting for import of trl); acted:
+    packing_block_mask 12 block masks built; rope_inv_freq_fp32 ...``.
     ``FTSHIMS_SUMMARY=1`` prints it at exit (on rank 0)."""
     from . import _manager
 

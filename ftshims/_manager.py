@@ -365,15 +365,24 @@ def status() -> Report:
 
 
 def summary_line() -> str:
+    """``ftshims.summary()``: the counts ``status()`` gives (applied, and deferred apart: a deferred shim has
+    installed nothing yet), then what the applied shims did so far."""
     report = status()
-    active = [entry for entry in report if entry.active]
+    applied = [entry for entry in report if entry.status == APPLIED]
+    deferred = [entry for entry in report if entry.status == DEFERRED]
     did = [
         f"{entry.id} " + ", ".join(f"{n} {action}" for action, n in sorted(entry.actions.items()))
-        for entry in active
+        for entry in applied
         if entry.actions
     ]
-    idle = [entry.id for entry in active if not entry.actions]
-    text = f"ftshims: {len(active)} shim{'s' if len(active) != 1 else ''} applied"
+    idle = [entry.id for entry in applied if not entry.actions]
+    text = f"ftshims: {len(applied)} shim{'s' if len(applied) != 1 else ''} applied"
+    if deferred:
+        shims = registry.shims()
+        # top-level packages only: status() names each module (transformers.trainer, ...)
+        waiting = sorted({module.split(".")[0] for entry in deferred if entry.id in shims
+                          for module in shims[entry.id].spec.modules if not is_loaded(module)})
+        text += f", {len(deferred)} deferred" + (f" (waiting for import of {', '.join(waiting)})" if waiting else "")
     text += "; acted: " + "; ".join(did) if did else "; none has acted yet"
     if idle and did:
         text += f"; not needed so far: {', '.join(idle)}"

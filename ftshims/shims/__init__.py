@@ -48,4 +48,10 @@ SHIM_IDS = (
     "resume_iterable_dataset_wrapped_pass_replays",
     "trainer_plain_module_shared_params_crash_at_first_save",
     "trainer_invalid_generation_config_crash_at_first_save",
+    "untied_head_retied_after_load",
+    "peft_prompt_learning_num_items_undercount",
+    "encoder_packing_block_mask",
+    "neftune_noise_packed_rows",
+    "falcon_alibi_doubled_eager",
+    "recurrentgemma_kv_cache_in_training",
 )

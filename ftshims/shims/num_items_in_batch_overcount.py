@@ -49,7 +49,9 @@ count is divided for tensor/context/sequence parallelism (5.24:
 ``/ (tp * cp * sp)``), which the wrapped original keeps doing as installed.
 
 Beyond upstream: only a model whose ``forward`` computes its loss with
-``self.loss_function`` is counted over ``labels[..., 1:]``. The decoders of
+``self.loss_function``, or hands its labels to the one child that does (a decoder whose ``loss_type`` maps to
+``ForCausalLMLoss``: Kosmos-2's ``text_model``; since ftshims 0.3.0, issue 37: 16
+counted for 14 scored labels on a tiny Kosmos-2, 4.57.6), is counted over ``labels[..., 1:]``. The decoders of
 encoder-decoder families (BartForCausalLM, Pegasus, Marian, mBART, Blenderbot,
 PLBart, MVP, BigBird-Pegasus) and CpmAnt are ``*ForCausalLM`` by name but score
 every label (the zoo gate's Trainer step: 184 labels scored, 183 counted); they
@@ -66,7 +68,7 @@ from ..spec import FollowUp, Observation, ProbeUnsupported, ShimSpec, Target
 
 SPEC = ShimSpec(
     id="num_items_in_batch_overcount",
-    since="0.2.0",
+    since="0.3.0",
     title="Trainer counts position-0 labels a causal LM never scores into num_items_in_batch",
     symptom="causal LM loss and gradients under-scaled by rows/tokens per step (the first label of each row is "
     "counted but never predicted); padded and padding-free runs of the same data give different losses",
@@ -110,9 +112,44 @@ def loss_shifts_labels(trainer) -> bool:
         # Encoder-decoders map to ForCausalLMLoss by name ("ForConditionalGeneration") but score every label (#46903).
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             return False
-        return loss_goes_through_loss_function(type(model))
+        return loss_goes_through_loss_function(type(model)) or delegated_causal_loss(model) is not None
     except Exception:  # noqa: BLE001 - a model whose loss_type property raises: no decision, no change
         return False
+
+
+def delegated_causal_loss(model):
+    """The sub-model that computes ``model``'s loss, when ``model.forward`` hands its labels to one (Kosmos-2's
+    ``text_model``) instead of calling ``self.loss_function``; else None.
+
+    A direct child counts when ``model.forward`` names it (``self.<child>(...)``), it is a decoder (not an
+    encoder-decoder) whose ``loss_type`` maps to ``ForCausalLMLoss``, whose own ``forward`` takes ``labels`` and
+    computes its loss with ``self.loss_function`` (the shifted ForCausalLMLoss), and it is the only such child:
+    that loss scores ``labels[..., 1:]``. Anything less certain is None, and the installed count stays.
+    """
+    import inspect
+
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    forward = inspect.unwrap(getattr(type(model), "forward", None))
+    code = getattr(forward, "__code__", None)
+    if code is None or "labels" not in code.co_varnames:
+        return None
+    found = []
+    for name, child in model.named_children():
+        if name not in code.co_names:
+            continue
+        loss_type = getattr(child, "loss_type", None)
+        if not (isinstance(loss_type, str) and LOSS_MAPPING.get(loss_type) is ForCausalLMLoss):
+            continue
+        if getattr(getattr(child, "config", None), "is_encoder_decoder", False):
+            continue
+        try:
+            takes_labels = "labels" in inspect.signature(type(child).forward).parameters
+        except (TypeError, ValueError):
+            takes_labels = False
+        if takes_labels and loss_goes_through_loss_function(type(child)):
+            found.append(child)
+    return found[0] if len(found) == 1 else None
 
 
 def loss_goes_through_loss_function(cls) -> bool:
@@ -193,9 +230,56 @@ LABELS = {
 }
 
 
-def probe(labels: str = "full") -> Observation:
-    """A Trainer on a tiny Llama: does ``compute_loss`` with the Trainer's own ``num_items_in_batch``
-    equal the mean cross-entropy over the tokens the causal loss scores?"""
+def tiny_kosmos2():
+    """A tiny Kosmos-2 (its loss is its text model's shifted ForCausalLMLoss), dropout off."""
+    import torch
+    import transformers
+
+    from .. import tiny
+
+    config = transformers.Kosmos2Config(
+        text_config=dict(vocab_size=64, embed_dim=32, layers=2, attention_heads=4, ffn_dim=64,
+                         max_position_embeddings=64),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=16),
+        latent_query_num=4)
+    torch.manual_seed(0)
+    with tiny.quiet():
+        return transformers.Kosmos2ForConditionalGeneration(config).eval()
+
+
+def _kosmos2_probe(trainer_class, args_class) -> Observation:
+    """Kosmos-2 (loss delegated to its text model): the Trainer's count against the labels the loss scores."""
+    import tempfile
+
+    import torch
+
+    from .. import tiny
+
+    model = tiny_kosmos2()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(5, 64, (2, 12), generator=generator)
+    labels = input_ids.clone()
+    labels[:, 1:5] = -100  # the image slots are not scored
+    image_mask = torch.zeros_like(input_ids)
+    image_mask[:, 1:5] = 1
+    batch = {"input_ids": input_ids, "labels": labels, "image_embeds_position_mask": image_mask,
+             "pixel_values": torch.randn(2, 3, 32, 32, generator=generator)}
+    with tempfile.TemporaryDirectory() as out, tiny.quiet():
+        trainer = trainer_class(model=model, args=_training_args(args_class, out))
+        num = trainer._get_num_items_in_batch([batch], torch.device("cpu"))
+        with torch.no_grad():
+            loss = float(trainer.compute_loss(model, dict(batch), num_items_in_batch=num))
+            reference = float(model(**batch).loss)  # the model's own mean over what it scores
+    scored = int(labels[:, 1:].ne(-100).sum())
+    detail = (f"kosmos-2: num_items_in_batch={int(num)} for {scored} scored labels; loss {loss:.5f} vs the model's "
+              f"mean {reference:.5f}")
+    return Observation(int(num) != scored or abs(loss - reference) > 1e-5 * max(1.0, abs(reference)), detail)
+
+
+def probe(labels: str = "full", arch: str = "llama") -> Observation:
+    """A Trainer on a tiny Llama (or ``arch="kosmos-2"``): does ``compute_loss`` with the Trainer's own
+    ``num_items_in_batch`` equal the mean cross-entropy over the tokens the causal loss scores?"""
     import tempfile
 
     import torch
@@ -206,6 +290,8 @@ def probe(labels: str = "full") -> Observation:
     if not hasattr(Trainer, "_get_num_items_in_batch"):
         # before 4.57 the count is inline in get_batch_samples (4.46-4.56, see the advisory), or absent
         raise ProbeUnsupported("this Trainer has no _get_num_items_in_batch")
+    if arch == "kosmos-2":
+        return _kosmos2_probe(Trainer, TrainingArguments)
     model = tiny.tiny_llama()
     label_rows = torch.tensor(LABELS[labels])
     input_ids = torch.where(label_rows == -100, torch.full_like(label_rows, 30), label_rows)

@@ -305,6 +305,14 @@ CASES = {
         ({"transformers": "5.15.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <5.15.0
         ({"transformers": N}, None, False),
     ],
+    "encoder_packing_contamination_4x": [
+        ({"transformers": "4.44.0"}, None, True),  # DataCollatorWithFlattening's first release
+        ({"transformers": "4.57.6"}, None, True),
+        ({"transformers": "4.43.4"}, None, False),  # no flattening collator
+        ({"transformers": "5.0.0"}, None, False),  # masks from masking_utils: the shim encoder_packing_block_mask
+        ({"transformers": "5.0.0.dev0"}, None, False),  # PEP 440: a pre-release of the bound is outside <5.0.0
+        ({"transformers": N}, None, False),
+    ],
     # wave-3 leads (ftshims/data/leads.toml), ranges read in the released wheels
     "trl_vllm_peft_merge_unmerge_drift": [
         ({"trl": "0.15.0", "peft": "0.14.0"}, None, True),  # GRPOTrainer._move_model_to_vllm merges in place
@@ -788,6 +796,7 @@ def test_matching_reads_installed_versions_when_none_given(monkeypatch):
         "fa2_right_padding_raises_in_training_qwen2_moe",
         "roberta_flattened_position_ids_before_5_15",
         "moonshine_florence2_double_shifted_labels",
+        "encoder_packing_contamination_4x",
         "num_items_in_batch_overcount_4_46",
         "average_tokens_across_devices_off",
         "trainer_resume_random_data_mid_epoch",  # info severity: last
@@ -820,7 +829,7 @@ def test_the_pinned_stacks_see_the_expected_advisories():
                   "trl_sft_eos_label_masked_when_pad_is_eos", "fa2_right_padding_raises_in_training",
                   "average_tokens_across_devices_off", "roberta_flattened_position_ids_before_5_15",
                   "trl_dpo_conversational_extra_eos", "trl_gkd_eos_masked_when_pad_is_eos",
-                  "trainer_resume_random_data_mid_epoch"}),
+                  "trainer_resume_random_data_mid_epoch", "encoder_packing_contamination_4x"}),
         "s453": ({"transformers": "4.53.3", "trl": "0.19.1", "torch": "2.13.0+cpu"},
                  {"num_items_in_batch_overcount_4_46", "fa2_right_padding_raises_in_training_qwen2_moe",
                   "average_tokens_across_devices_off", "gemma_hidden_act_gelu_exact_regression",
@@ -828,7 +837,7 @@ def test_the_pinned_stacks_see_the_expected_advisories():
                   "git_cohere_asr_ppformulanet_double_shifted_labels", "moonshine_florence2_double_shifted_labels",
                   "trl_dpo_conversational_extra_eos", "trl_gkd_eos_masked_when_pad_is_eos",
                   "trl_grpo_none_reward_in_baseline", "trl_prompt_not_prefix_completion_shift",
-                  "trainer_resume_random_data_mid_epoch"}),
+                  "trainer_resume_random_data_mid_epoch", "encoder_packing_contamination_4x"}),
         "s457b": ({"transformers": "4.57.6", "trl": "0.24.0", "torch": "2.13.0+cpu"},
                   {"deepseek_v2_yarn_missing_mscale", "fa2_right_padding_raises_in_training_qwen2_moe",
                    "gemma_hidden_act_gelu_exact_regression", "roberta_flattened_position_ids_before_5_15",
@@ -837,7 +846,7 @@ def test_the_pinned_stacks_see_the_expected_advisories():
                    "trl_gkd_eos_masked_when_pad_is_eos", "trl_grpo_dapo_normalizer_generation_window",
                    "trl_grpo_dapo_num_items_counts_masked_tokens", "trl_grpo_none_reward_in_baseline",
                    "trl_prompt_not_prefix_completion_shift", "moe_vlm_config_output_router_logits_ignored",
-                   "trainer_resume_random_data_mid_epoch", "bart_untied_embeddings_lost_on_reload"}),
+                   "trainer_resume_random_data_mid_epoch", "bart_untied_embeddings_lost_on_reload", "encoder_packing_contamination_4x"}),
         "s524": ({"transformers": "5.24.0", "trl": "1.16.0", "torch": "2.13.0+cpu"},
                  {"gemma3_images_causal_without_token_type_ids", "v5_default_dtype_half_weights_full_finetune",
                   "trl_fused_lm_head_unsupported_logits", "trainer_resume_random_data_mid_epoch"}),

@@ -559,3 +559,19 @@ def test_wrap_method_finds_the_target_or_raises_target_missing():
         assert Target.method is original and Target().method(1) == 2
     finally:
         del sys.modules[module.__name__]
+
+
+def test_summary_counts_what_status_counts(world):
+    """Issue 37: summary() counted deferred shims as applied ("17 shims applied" where status() said 11
+    applied and 6 deferred). A deferred shim has installed nothing yet; the line says so, with its module."""
+    world.add_shim("wrap_add", wrap_add)
+    world.add_shim("on_late", lambda patcher, options: None, modules=(f"{world.package}.late",))
+    world.module()
+    report = ftshims.apply()
+    assert (report["wrap_add"].status, report["on_late"].status) == ("applied", "deferred")
+    line = ftshims.summary()
+    assert line.startswith(f"ftshims: 1 shim applied, 1 deferred (waiting for import of {world.package});"), line
+    assert "on_late" not in line, "a deferred shim is not 'not needed so far': it is not installed yet"
+    world.module("late")
+    assert ftshims.status()["on_late"].status == "applied"
+    assert ftshims.summary().startswith("ftshims: 2 shims applied;"), ftshims.summary()

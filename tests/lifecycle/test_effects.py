@@ -62,7 +62,11 @@ def _run(env_updates, code):
 
 def test_exit_summary_is_opt_in_and_rank_0_only():
     code = "import ftshims; ftshims.apply(only=['rope_inv_freq_fp32'])"
-    assert "ftshims: 1 shim applied" in _run({"FTSHIMS_SUMMARY": "1"}, code).stderr
+    # transformers is never imported here: the shim stays deferred, and the line says so (issue 37)
+    assert "ftshims: 0 shims applied, 1 deferred (waiting for import of transformers)" in _run(
+        {"FTSHIMS_SUMMARY": "1"}, code).stderr
+    code += "; import transformers.modeling_utils"
+    assert "ftshims: 1 shim applied;" in _run({"FTSHIMS_SUMMARY": "1"}, code).stderr
     assert "shim applied" not in _run({}, code).stderr
     assert "shim applied" not in _run({"FTSHIMS_SUMMARY": "1", "RANK": "1"}, code).stderr
 

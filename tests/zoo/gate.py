@@ -1059,7 +1059,9 @@ def run_check(name, plain_rec, shim_rec):
         uses = pp.get("uses_num_items")
         p_out, s_out = plain_rec.get("out") or [], shim_rec.get("out") or []
         grads, shim_grads = plain_rec.get("grads") or {}, shim_rec.get("grads") or {}
-        if len(p_out) != len(s_out) or not p_out or set(grads) != set(shim_grads):
+        # the shimmed run may have gradients the plain run lacks (grads_gained: another declared shim); the scale is
+        # judged on the parameters both have
+        if len(p_out) != len(s_out) or not p_out or not set(grads) <= set(shim_grads):
             return "worse", "steps not comparable"
         losses = list(zip(s_out[:-1], p_out[:-1]))  # the last output is the count: num_items_scored's business
         detail = (f"step losses: plain {[round(float(p), 5) for _, p in losses]}, shimmed "
@@ -1080,6 +1082,20 @@ def run_check(name, plain_rec, shim_rec):
         if ratios and all(abs(r - 0.5) < 0.005 for r in ratios) and uses is False:
             return "better", detail
         return "worse", detail
+    if name == "grads_gained":
+        # A shim that gives parameters the gradient upstream cut off (RecurrentGemma's k_proj/v_proj, whose keys and
+        # values came from a @torch.no_grad() cache update): the shimmed run must have gradients for parameters the
+        # plain run had none for, and lose none. The other gradients change with them (the gained path reaches the
+        # earlier layers). The outputs are not judged here: another declared shim may change them on the same step
+        # (num_items_in_batch_overcount's count); the shim's own tests prove its forward bit-identical, and the
+        # rerun without the declared shims proves the difference is theirs.
+        grads, shim_grads = plain_rec.get("grads") or {}, shim_rec.get("grads") or {}
+        gained, lost = sorted(set(shim_grads) - set(grads)), sorted(set(grads) - set(shim_grads))
+        detail = (f"{len(gained)} parameters gained a gradient ({', '.join(gained[:2])}"
+                  f"{', ...' if len(gained) > 2 else ''}), {len(lost)} lost one")
+        if lost:
+            return "worse", detail
+        return ("better" if gained else "same"), detail
     return "worse", f"unknown check {name!r}"
 
 
