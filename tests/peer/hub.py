@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ORG = "trl-internal-testing"
-BUILD_VERSION = "2"  # bump when what is built here changes: the runner rebuilds a cached hub of another version
+BUILD_VERSION = "3"  # bump when what is built here changes: the runner rebuilds a cached hub of another version
 
 QWEN25_SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
@@ -153,7 +153,8 @@ def _tokenizer(family: str, corpus: list, template: str):
         assert tok.token_to_id(specials[0]) == first, "special tokens not at their real ids"
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, bos_token=bos, unk_token=unk,
                                    model_max_length=131072 if family != "t5" else 512,
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False,
+                                   model_input_names=["input_ids", "attention_mask"])  # as the real ones: no token_type_ids
     if template is not None:
         fast.chat_template = template
     return fast

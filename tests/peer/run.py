@@ -89,11 +89,19 @@ def run_mode(mode: str, workdir: Path, config: dict, outcomes_path: Path, extra:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "ftshims_peer_plugin",
                "-o", "addopts=", "--rootdir", str(workdir), *(test_ids or config["files"]),
                *config.get("pytest_args", []), *extra]
-    started = time.time()
+    started, cpu_before = time.time(), _children_cpu()
     subprocess.run(command, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     if not outcomes_path.exists():
         raise SystemExit(f"peer run ({mode}) wrote no outcomes: pytest did not finish ({' '.join(command)})")
-    return time.time() - started
+    return time.time() - started, _children_cpu() - cpu_before
+
+
+def _children_cpu() -> float:
+    """CPU seconds of the finished child processes (the pytest runs): what a run costs, whatever the machine's load."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def file_of(test_id: str) -> str:
@@ -156,10 +164,11 @@ def main(argv=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix=f"peer-{args.suite}-{args.release}-"))
     shutil.copytree(config["folder"] / "tests", workdir / "tests")
     (workdir / hub.ORG).symlink_to(hub_dir / hub.ORG, target_is_directory=True)
-    results, seconds, stubbed = {}, {}, []
+    results, seconds, cpu_seconds, stubbed = {}, {}, {}, []
     for mode in MODES:
         path = workdir / f"outcomes-{mode}.json"
-        seconds[mode] = round(run_mode(mode, workdir, config, path, args.pytest_args), 1)
+        wall, cpu = run_mode(mode, workdir, config, path, args.pytest_args)
+        seconds[mode], cpu_seconds[mode] = round(wall, 1), round(cpu, 1)
         data = json.loads(path.read_text())
         results[mode], stubbed = data["outcomes"], data["stubbed"]
     # A difference must reproduce: each differing id runs again in both modes (REPEATS times). One whose outcome
@@ -188,7 +197,7 @@ def main(argv=None) -> int:
     summary = {
         "suite": args.suite, "release": args.release, "source": config["source"],
         "versions": {p: installed(p) for p in ("torch", "transformers", "peft", "trl", "accelerate")},
-        "seconds": seconds, "stubbed": stubbed, "test_ids": len(set(results["off"]) | set(results["default"])),
+        "seconds": seconds, "cpu_seconds": cpu_seconds, "stubbed": stubbed, "test_ids": len(set(results["off"]) | set(results["default"])),
         "passed_in_either_mode": len(ran_for_real),
         "per_file": {mode: counts(results[mode]) for mode in MODES},
         "seconds_per_file": {mode: seconds_per_file(results[mode]) for mode in MODES},
@@ -206,7 +215,8 @@ def main(argv=None) -> int:
     if stubbed:
         print(f"  stood in for names gone from the release, in both modes alike: {', '.join(stubbed)}")
     print(f"  {summary['test_ids']} test ids, {summary['passed_in_either_mode']} passed in at least one mode; "
-          f"off {seconds['off']} s, default {seconds['default']} s")
+          f"off {seconds['off']} s ({cpu_seconds['off']} s CPU), default {seconds['default']} s "
+          f"({cpu_seconds['default']} s CPU)")
     print(f"  {'file':<48} {'off':<44} default")
     for name in sorted(set(summary["per_file"]["off"]) | set(summary["per_file"]["default"])):
         row = [", ".join(f"{k} {v}" for k, v in summary["per_file"][m].get(name, {}).items()) for m in MODES]
