@@ -24,8 +24,13 @@ not read), unfixed in 5.25.0. Fallback: a changed ``train`` signature skips the 
 
 from __future__ import annotations
 
-from .._util import acted
+import logging
+
+from .._util import acted, warn_once
 from ..spec import Observation, ShimSpec, Target
+
+log = logging.getLogger("ftshims")
+_WARNED: set = set()
 
 SPEC = ShimSpec(
     id="trainer_invalid_generation_config_crash_at_first_save",
@@ -88,9 +93,22 @@ def problem(model):
     return None
 
 
+def saves_checkpoints(trainer) -> bool:
+    """Whether ``train()`` itself will save checkpoints (``save_strategy`` other than ``"no"``)."""
+    strategy = getattr(getattr(trainer, "args", None), "save_strategy", None)
+    return str(getattr(strategy, "value", strategy)) != "no"
+
+
 def _train(wrapped, instance, args, kwargs):
     model = saved_model(instance)
     error = problem(model) if model is not None else None
+    if error is not None and not saves_checkpoints(instance):
+        acted(SPEC.id, "trainings without checkpoint saves let through")
+        warn_once(_WARNED, type(model).__name__, lambda: log.warning(
+            "ftshims: %s.generation_config is invalid: this run saves no checkpoint (save_strategy='no') and trains "
+            "unchanged, but a later save_model()/save_pretrained() will raise: %s", type(model).__name__,
+            " ".join(str(error).split())[:300]))
+        return wrapped(*args, **kwargs)
     if error is not None:
         acted(SPEC.id, "trainings refused")
         reason = " ".join(str(error).split())

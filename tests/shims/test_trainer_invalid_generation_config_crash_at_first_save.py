@@ -50,3 +50,29 @@ def test_peft_models_are_not_checked():
     peft_model = tiny.lora(tiny.tiny_llama())
     assert shim_module.saved_model(SimpleNamespace(model=peft_model, accelerator=None)) is None
     assert shim_module.saved_model(SimpleNamespace(model=tiny.tiny_llama(), accelerator=None)) is not None
+
+
+def test_a_run_that_saves_no_checkpoint_is_not_refused(tmp_path):
+    """save_strategy="no": the run may never save (a sweep, an evaluation run), so it trains as upstream does; the guard
+    only counts it and says once that a later save would raise."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    import ftshims
+    from ftshims import tiny
+
+    context = applied_or_skip(SHIM)
+    try:
+        model = tiny.tiny_llama()
+        model.generation_config.do_sample = False
+        model.generation_config.temperature = 1e-6
+        before = [p.detach().clone() for p in model.parameters()]
+        args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=2, save_strategy="no",
+                                 learning_rate=1e-2, disable_tqdm=True)
+        rows = [{"input_ids": [3, 4, 5], "labels": [3, 4, 5]}] * 4
+        with tiny.quiet():
+            Trainer(model=model, args=args, train_dataset=rows).train()
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "the run did not train"
+        assert ftshims.status()[SHIM].actions.get("trainings without checkpoint saves let through") == 1
+    finally:
+        context.__exit__(None, None, None)
