@@ -12,6 +12,18 @@ attention the first example cannot see anything else, so the second is the first
 contaminated. Logits further apart than ``TOLERANCE`` (relative to their scale; ``HALF_TOLERANCE``
 in fp16/bf16) mean the examples attend to each other.
 
+Under DeepSpeed ZeRO-3 (partitioned parameters) the two forwards wait for the end of the optimizer step
+(``step_end``) and run there on every rank at once, or not at all. ZeRO-3 gathers and releases each module's
+parameters from hooks on the modules, following a trace of the module order that the start of a root forward
+resets: two forwards run from the model's forward pre-hook, inside the engine's training forward, re-entered
+those hooks and reset that trace mid-step, and the step's backward then met released (0-element) parameters
+(deepspeed 0.19.8, TRL packing: "The size of tensor a (0) must match the size of tensor b (64)"). A forward
+between steps, whole, is what ZeRO-3 supports (the Trainer's evaluation runs one), but its gathers are
+collectives: at the end of each of the first ``LOOKS`` steps the ranks tell each other (one ``all_reduce`` of
+an int) whether each found a packed row; the check runs when every rank has one, so that every rank runs the
+same forwards. The monitor says so at train begin (a note in the engine header, logged by rank 0). The forwards change no weight and draw
+no random number (dropout off): the run is the one it would be without the check.
+
 Explains ``packing_block_mask`` (eager/sdpa with packed position ids), the
 packing advisories of old transformers/torch, ``flash_attn_packing`` (flash
 attention, flash-attn installed) and, for a row without position ids,
@@ -59,6 +71,14 @@ class PackingContaminated(Detector):
         self.looked = 0
         self.done = False
         self.collated: List[List[int]] = []  # position ids of a flattened row the collator sent without them
+        self.together = False  # ZeRO-3: the forwards wait for the step's end, where every rank runs them at once
+        self.waiting: Optional[tuple] = None  # (step, packed, alone, row, start, end, with_positions) until then
+        self.steps_waited = 0
+        self.compared_at: Optional[int] = None  # the step whose packed row went through the two forwards
+
+    def begin(self, mon) -> None:
+        # ZeRO-3 (the monitor's engine header says so in a note: core.Monitor._attach_deepspeed)
+        self.together = mon.engine.get("name") == "deepspeed" and mon.engine.get("zero_stage") == 3
 
     def note_collated(self, features, batch) -> None:
         """From the Trainer's collate_fn (main process): a single flattened row without position ids, built from
@@ -79,7 +99,7 @@ class PackingContaminated(Detector):
             self.collated.append(positions)
 
     def batch(self, mon, inputs, micro) -> None:
-        if self.done or micro.call is None:
+        if self.done or micro.call is None or self.waiting is not None:
             return
         ids = inputs.get("input_ids")
         if ids is None or ids.dim() != 2:
@@ -87,20 +107,48 @@ class PackingContaminated(Detector):
         positions = inputs.get("position_ids")
         if positions is not None:
             self.looked += 1
-            self.done = self.looked >= LOOKS
+            if not self.together:  # under ZeRO-3 the steps bound the looking (step_end), the same on every rank
+                self.done = self.looked >= LOOKS
             found = packed_row(positions, inputs.get("attention_mask"))
             if found is not None:
-                self.done = True
-                self._check(mon, micro, inputs, *found, with_positions=True)
+                self._found(mon, micro, inputs, *found, with_positions=True)
         elif self.collated and ids.shape[0] == 1 and len(self.collated[0]) == ids.shape[1]:
             import torch
 
             found = packed_row(torch.tensor([self.collated.pop(0)]))
-            self.done = True
+            if not self.together:
+                self.done = True
             if found is not None:
-                self._check(mon, micro, inputs, *found, with_positions=False)
+                self._found(mon, micro, inputs, *found, with_positions=False)
 
-    def _check(self, mon, micro, inputs, row, start, end, with_positions) -> None:
+    def _found(self, mon, micro, inputs, row, start, end, with_positions) -> None:
+        prepared = self._prepare(inputs, row, start, end, with_positions)
+        if not self.together:
+            self.done = True
+            if prepared is not None:
+                self._compare(mon, micro.step, *prepared, row, start, end, with_positions)
+        elif prepared is not None:  # held (a copy of the row) until the step's end
+            packed, alone = ({k: v.clone() for k, v in part.items()} for part in prepared)
+            self.waiting = (micro.step, packed, alone, row, start, end, with_positions)
+
+    def step_end(self, mon) -> None:
+        """ZeRO-3: the end of an optimizer step, on every rank. Whether every rank holds a packed row (a
+        collective, at the end of each of the first LOOKS steps, the same steps on every rank): then each runs its
+        check, every rank the same two forwards; else the rows are dropped and the next step's are looked for."""
+        if not self.together or self.done:
+            return
+        self.steps_waited += 1
+        waiting, self.waiting = self.waiting, None
+        if mon.all_ranks(waiting is not None):
+            self.done = True
+            self._compare(mon, *waiting)
+        elif self.steps_waited >= LOOKS:
+            self.done = True
+
+    @staticmethod
+    def _prepare(inputs, row, start, end, with_positions) -> Optional[tuple]:
+        """``(packed, alone)``: the forward inputs of the row up to ``end`` and of its second example alone; None
+        for a mask form this check cannot slice (no judgement)."""
         import torch
 
         ids = inputs["input_ids"]
@@ -114,10 +162,16 @@ class PackingContaminated(Detector):
             packed["attention_mask"] = mask[row : row + 1, :, :end, :end]
             alone["attention_mask"] = mask[row : row + 1, :, start:end, start:end]
         elif mask is not None:
-            return  # a mask form this check cannot slice: no judgement
+            return None
         if with_positions:
             packed["position_ids"] = inputs["position_ids"].reshape(ids.shape)[row : row + 1, :end]
             alone["position_ids"] = torch.arange(end - start, device=ids.device).unsqueeze(0)
+        return packed, alone
+
+    def _compare(self, mon, step, packed, alone, row, start, end, with_positions) -> None:
+        """The two no-grad forwards (``packed``, ``alone``: one row each; ``row``: its index in the batch)."""
+        import torch
+
         model = mon.model
         dropout = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
         mon._busy = True
@@ -133,6 +187,7 @@ class PackingContaminated(Detector):
             mon._busy = False
         if packed_logits is None or alone_logits is None:
             return
+        self.compared_at = step
         a = packed_logits[0, start:end].float()
         b = alone_logits[0].float()
         diff = float((a - b).abs().max())
@@ -149,7 +204,7 @@ class PackingContaminated(Detector):
         else:
             candidates = ("packing_block_mask", "packing_contaminated_below_4_37", "packing_detection_needs_torch_2_6")
         boundary = "position_ids restart" if with_positions else "no position_ids: boundaries from the collator's examples"
-        mon.report("packing_contaminated", micro.step,
+        mon.report("packing_contaminated", step,
                    f"packed examples attend to each other: the second example of a packed row ({boundary}; tokens "
                    f"{start}..{end - 1}) gives logits {diff:.3g} away from the same example alone ({attention} attention)",
                    candidates, {"max_abs_logit_diff": diff, "logit_scale": scale, "row": row, "start": start, "end": end,
