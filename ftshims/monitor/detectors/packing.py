@@ -7,7 +7,9 @@ padding-free batches: the Trainer callback learns where the examples start from 
 input, their lengths or the position ids of TRL's packed rows). The row up to the end of its second
 example and that example alone (positions from 0, no padding) go through two extra no-grad forwards,
 with the same attention inputs the training forward got (a 2D mask cut to the row, a 4D block mask a
-collator built cut to the same rows and columns); dropout is switched off for them. Under causal
+collator built cut to the same rows and columns), the model in eval mode for them (every dropout off, attention
+dropout too; each module's mode restored after): they draw no random number and change no weight, so the run is
+the one it would be without the check. Under causal
 attention the first example cannot see anything else, so the second is the first one that can be
 contaminated. Logits further apart than ``TOLERANCE`` (relative to their scale; ``HALF_TOLERANCE``
 in fp16/bf16) mean the examples attend to each other.
@@ -21,8 +23,7 @@ those hooks and reset that trace mid-step, and the step's backward then met rele
 between steps, whole, is what ZeRO-3 supports (the Trainer's evaluation runs one), but its gathers are
 collectives: at the end of each of the first ``LOOKS`` steps the ranks tell each other (one ``all_reduce`` of
 an int) whether each found a packed row; the check runs when every rank has one, so that every rank runs the
-same forwards. The monitor says so at train begin (a note in the engine header, logged by rank 0). The forwards change no weight and draw
-no random number (dropout off): the run is the one it would be without the check.
+same forwards. The monitor says so at train begin (a note in the engine header, logged by rank 0).
 
 Explains ``packing_block_mask`` (eager/sdpa with packed position ids), the
 packing advisories of old transformers/torch, ``flash_attn_packing`` (flash
@@ -173,17 +174,20 @@ class PackingContaminated(Detector):
         import torch
 
         model = mon.model
-        dropout = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
+        # the whole model in eval mode, not only its nn.Dropout modules: attention dropout is functional and reads
+        # the attention module's own flag (Llama's ``dropout=0.0 if not self.training else ...``); run in training
+        # mode it drew random numbers, which shifted every later dropout mask of the run, and put dropout noise
+        # into the comparison (a false packing_contaminated with the packing fixed). Each module's mode restored.
+        modes = [(m, m.training) for m in model.modules()]
         mon._busy = True
         try:
-            for m in dropout:
-                m.eval()
+            model.eval()
             with torch.no_grad():
                 packed_logits = getattr(model(**packed), "logits", None)
                 alone_logits = getattr(model(**alone), "logits", None)
         finally:
-            for m in dropout:
-                m.train()
+            for m, training in modes:
+                m.training = training
             mon._busy = False
         if packed_logits is None or alone_logits is None:
             return
