@@ -375,15 +375,15 @@ class Monitor:
                 notes.append("localize under DeepSpeed ZeRO-3: a re-run gathers the partitioned parameters, so it "
                              "runs only where every rank re-runs its batch the same way (the ranks agree at the step "
                              "whose global gradient norm is not finite); otherwise the finding names no module")
-        if stage == 3 and "packing_contaminated" in self.detectors.by_code:  # detectors/packing.py
-            notes.append("packing_contaminated under DeepSpeed ZeRO-3: its two forwards run at the end of an "
-                         "optimizer step, on every rank at once (a forward gathers the partitioned parameters), at "
-                         "the first of the first steps where every rank has a packed row; never inside the engine's "
-                         "forward and backward")
+        if stage == 3 and "packing_contaminated" in self.detectors.by_code:  # detectors/packing.py says why
+            notes.append("packing_contaminated is not judged under DeepSpeed ZeRO-3: its two extra forwards would go "
+                         "through the engine's parameter gathering and break the run's next backward; the packing "
+                         "does not depend on the engine: run the check on one process (the same model and collator)")
         self.engine = {"name": "deepspeed", "zero_stage": stage, "optimizer": type(zero).__name__, "notes": notes}
         if self.rank == 0:
-            for note in notes:  # what cannot work is a warning; how a check works under ZeRO-3 is information
-                (log.info if note.startswith(("localize under", "packing_contaminated under")) else log.warning)("%s", note)
+            for note in notes:  # what cannot work is a warning; how localize works under ZeRO-3 is information
+                if not note.startswith("packing_contaminated"):  # logged at the first packed row, where it matters
+                    (log.info if note.startswith("localize under") else log.warning)("%s", note)
         for p in self.model.parameters():
             if p.requires_grad:
                 self._grad_hooks.append(p.register_hook(self._grad_arrived(id(p))))
@@ -626,22 +626,6 @@ class Monitor:
         dist.all_reduce(bits, op=dist.ReduceOp.MAX)
         return sum(int(b) << i for i, b in enumerate(bits.tolist()))
 
-    def all_ranks(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on every rank (an all_reduce MIN of one int: a collective, so every rank must
-        call it at the same point); ``flag`` itself in one process."""
-        if self.world <= 1:
-            return bool(flag)
-        import torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return bool(flag)
-        backend = str(dist.get_backend()).lower()
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        return bool(value.item())
-
     def _deepspeed_skipped(self) -> None:
         """After DeepSpeed's step: the ZeRO optimizer's ``overflow`` (a host flag) says whether the engine skipped
         the update (a non-finite global gradient norm; fp16 loss-scale overflows too). Recorded once, as DeepSpeed's."""
@@ -705,8 +689,6 @@ class Monitor:
         """Close the current optimizer step (the Trainer's ``on_step_end``)."""
         if self._skip_by == "deepspeed":
             self._deepspeed_skipped()
-        for detector in self.detectors.step_end:
-            detector.step_end(self)
         if self.read_each_step:
             self.read()
         elif not self.in_trainer and self.step % self.options["read_every"] == 0:

@@ -11,9 +11,6 @@ detector under those, so a per-step hook calls no detector that does nothing the
   (``p.grad is None``), no device reads;
 * ``updated(mon)``: right after the optimizer's update (its step post-hook; not called for a step the
   skip defence dropped); device work only;
-* ``step_end(mon)``: at the end of every optimizer step (the Trainer's ``on_step_end``, ``after_step()`` in a
-  custom loop), on every rank, outside the engine's forward and backward: where a check needs a forward of its
-  own that the engine must see whole (DeepSpeed ZeRO-3: a forward gathers the partitioned parameters);
 * ``read(mon, view)``: at a read point, with the host values of one step (:class:`~ftshims.monitor.core.StepView`);
 * ``check(mon)``: the periodic checks (logging steps, ``read_every``, the end);
 * ``close(mon)``: at the end of training;
@@ -26,7 +23,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import List
 
-MOMENTS = ("begin", "batch", "output", "grads", "updated", "step_end", "read", "check", "close", "saved")
+MOMENTS = ("begin", "batch", "output", "grads", "updated", "read", "check", "close", "saved")
 
 
 class Detector:
@@ -41,8 +38,6 @@ class Detector:
     def grads(self, mon) -> None: ...
 
     def updated(self, mon) -> None: ...
-
-    def step_end(self, mon) -> None: ...
 
     def read(self, mon, view) -> None: ...
 

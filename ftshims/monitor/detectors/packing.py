@@ -1,29 +1,28 @@
 """``packing_contaminated``: a packed example whose logits differ from the same example run alone.
 
-Once per run, on the first packed training batch: a row whose ``position_ids`` restart at 0 between
-real tokens (at most ``LOOKS`` batches with position ids are read to the host to find one), or a
-single flattened row the collator built from several examples without any boundary (TRL 0.19-0.23.0
-padding-free batches: the Trainer callback learns where the examples start from the collator's
-input, their lengths or the position ids of TRL's packed rows). The row up to the end of its second
-example and that example alone (positions from 0, no padding) go through two extra no-grad forwards,
-with the same attention inputs the training forward got (a 2D mask cut to the row, a 4D block mask a
-collator built cut to the same rows and columns), the model in eval mode for them (every dropout off, attention
-dropout too; each module's mode restored after): they draw no random number and change no weight, so the run is
-the one it would be without the check. Under causal
-attention the first example cannot see anything else, so the second is the first one that can be
-contaminated. Logits further apart than ``TOLERANCE`` (relative to their scale; ``HALF_TOLERANCE``
-in fp16/bf16) mean the examples attend to each other.
+Once per run, on the first packed training batch: a row whose ``position_ids`` restart at 0 between real tokens
+(at most ``LOOKS`` batches with position ids are read to the host to find one), or a single flattened row the
+collator built from several examples without any boundary (TRL 0.19-0.23.0 padding-free batches: the Trainer
+callback learns where the examples start from the collator's input, their lengths or the position ids of TRL's
+packed rows). The row up to the end of its second example and that example alone (positions from 0, no padding)
+go through two extra no-grad forwards, with the same attention inputs the training forward got (a 2D mask cut to
+the row, a 4D block mask a collator built cut to the same rows and columns), the model in eval mode for them
+(every dropout off, attention dropout too; each module's mode restored after): they draw no random number and
+change no weight, so the run is the one it would be without the check. Under causal attention the first example
+cannot see anything else, so the second is the first one that can be contaminated. Logits further apart than
+``TOLERANCE`` (relative to their scale; ``HALF_TOLERANCE`` in fp16/bf16) mean the examples attend to each other.
 
-Under DeepSpeed ZeRO-3 (partitioned parameters) the two forwards wait for the end of the optimizer step
-(``step_end``) and run there on every rank at once, or not at all. ZeRO-3 gathers and releases each module's
-parameters from hooks on the modules, following a trace of the module order that the start of a root forward
-resets: two forwards run from the model's forward pre-hook, inside the engine's training forward, re-entered
-those hooks and reset that trace mid-step, and the step's backward then met released (0-element) parameters
-(deepspeed 0.19.8, TRL packing: "The size of tensor a (0) must match the size of tensor b (64)"). A forward
-between steps, whole, is what ZeRO-3 supports (the Trainer's evaluation runs one), but its gathers are
-collectives: at the end of each of the first ``LOOKS`` steps the ranks tell each other (one ``all_reduce`` of
-an int) whether each found a packed row; the check runs when every rank has one, so that every rank runs the
-same forwards. The monitor says so at train begin (a note in the engine header, logged by rank 0).
+Not judged under DeepSpeed ZeRO-3 (partitioned parameters; a note in the monitor's engine header, and rank 0
+logs it once, at the first packed row). Every forward of a ZeRO-3 model goes through the engine's parameter
+coordinator: hooks on each module gather its parameters and release them after, following a trace of the module
+order that the start of a root forward resets, and the backward re-gathers by that bookkeeping. The two forwards
+change it, and the run's next backward then meets a released, 0-element parameter (deepspeed 0.19.8, 2 CPU
+ranks, TRL packing: "The size of tensor a (0) must match the size of tensor b (64)"): run inside the training
+forward (from the model's forward pre-hook, as here) they reset the trace mid-step, and even run whole between
+two optimizer steps, on every rank at once, they broke the next backward of a resumed run (the first step after
+DeepSpeed's checkpoint load). A check that can break the run it watches stays out; what it looks for (attention
+across packed examples) depends on the model, the attention and the collator, not on the engine, so one process
+shows it.
 
 Explains ``packing_block_mask`` (eager/sdpa with packed position ids), the
 packing advisories of old transformers/torch, ``flash_attn_packing`` (flash
@@ -72,14 +71,11 @@ class PackingContaminated(Detector):
         self.looked = 0
         self.done = False
         self.collated: List[List[int]] = []  # position ids of a flattened row the collator sent without them
-        self.together = False  # ZeRO-3: the forwards wait for the step's end, where every rank runs them at once
-        self.waiting: Optional[tuple] = None  # (step, packed, alone, row, start, end, with_positions) until then
-        self.steps_waited = 0
         self.compared_at: Optional[int] = None  # the step whose packed row went through the two forwards
+        self.zero3 = False  # DeepSpeed ZeRO-3: not judged (the module docstring)
 
     def begin(self, mon) -> None:
-        # ZeRO-3 (the monitor's engine header says so in a note: core.Monitor._attach_deepspeed)
-        self.together = mon.engine.get("name") == "deepspeed" and mon.engine.get("zero_stage") == 3
+        self.zero3 = mon.engine.get("name") == "deepspeed" and mon.engine.get("zero_stage") == 3
 
     def note_collated(self, features, batch) -> None:
         """From the Trainer's collate_fn (main process): a single flattened row without position ids, built from
@@ -100,7 +96,7 @@ class PackingContaminated(Detector):
             self.collated.append(positions)
 
     def batch(self, mon, inputs, micro) -> None:
-        if self.done or micro.call is None or self.waiting is not None:
+        if self.done or micro.call is None:
             return
         ids = inputs.get("input_ids")
         if ids is None or ids.dim() != 2:
@@ -108,49 +104,30 @@ class PackingContaminated(Detector):
         positions = inputs.get("position_ids")
         if positions is not None:
             self.looked += 1
-            if not self.together:  # under ZeRO-3 the steps bound the looking (step_end), the same on every rank
-                self.done = self.looked >= LOOKS
+            self.done = self.looked >= LOOKS
             found = packed_row(positions, inputs.get("attention_mask"))
             if found is not None:
-                self._found(mon, micro, inputs, *found, with_positions=True)
+                self.done = True
+                self._check(mon, micro, inputs, *found, with_positions=True)
         elif self.collated and ids.shape[0] == 1 and len(self.collated[0]) == ids.shape[1]:
             import torch
 
             found = packed_row(torch.tensor([self.collated.pop(0)]))
-            if not self.together:
-                self.done = True
+            self.done = True
             if found is not None:
-                self._found(mon, micro, inputs, *found, with_positions=False)
+                self._check(mon, micro, inputs, *found, with_positions=False)
 
-    def _found(self, mon, micro, inputs, row, start, end, with_positions) -> None:
-        prepared = self._prepare(inputs, row, start, end, with_positions)
-        if not self.together:
-            self.done = True
-            if prepared is not None:
-                self._compare(mon, micro.step, *prepared, row, start, end, with_positions)
-        elif prepared is not None:  # held (a copy of the row) until the step's end
-            packed, alone = ({k: v.clone() for k, v in part.items()} for part in prepared)
-            self.waiting = (micro.step, packed, alone, row, start, end, with_positions)
-
-    def step_end(self, mon) -> None:
-        """ZeRO-3: the end of an optimizer step, on every rank. Whether every rank holds a packed row (a
-        collective, at the end of each of the first LOOKS steps, the same steps on every rank): then each runs its
-        check, every rank the same two forwards; else the rows are dropped and the next step's are looked for."""
-        if not self.together or self.done:
-            return
-        self.steps_waited += 1
-        waiting, self.waiting = self.waiting, None
-        if mon.all_ranks(waiting is not None):
-            self.done = True
-            self._compare(mon, *waiting)
-        elif self.steps_waited >= LOOKS:
-            self.done = True
-
-    @staticmethod
-    def _prepare(inputs, row, start, end, with_positions) -> Optional[tuple]:
-        """``(packed, alone)``: the forward inputs of the row up to ``end`` and of its second example alone; None
-        for a mask form this check cannot slice (no judgement)."""
+    def _check(self, mon, micro, inputs, row, start, end, with_positions) -> None:
         import torch
+
+        if self.zero3:  # the first packed row: said once (rank 0), where it matters; no forward
+            if mon.rank == 0:
+                import logging
+
+                logging.getLogger("ftshims.monitor").warning(
+                    "step %d: packed rows, packing_contaminated not judged under DeepSpeed ZeRO-3 (its extra forwards "
+                    "would break the run's next backward); run the check on one process", micro.step)
+            return
 
         ids = inputs["input_ids"]
         mask = inputs.get("attention_mask")
@@ -163,16 +140,10 @@ class PackingContaminated(Detector):
             packed["attention_mask"] = mask[row : row + 1, :, :end, :end]
             alone["attention_mask"] = mask[row : row + 1, :, start:end, start:end]
         elif mask is not None:
-            return None
+            return  # a mask form this check cannot slice: no judgement
         if with_positions:
             packed["position_ids"] = inputs["position_ids"].reshape(ids.shape)[row : row + 1, :end]
             alone["position_ids"] = torch.arange(end - start, device=ids.device).unsqueeze(0)
-        return packed, alone
-
-    def _compare(self, mon, step, packed, alone, row, start, end, with_positions) -> None:
-        """The two no-grad forwards (``packed``, ``alone``: one row each; ``row``: its index in the batch)."""
-        import torch
-
         model = mon.model
         # the whole model in eval mode, not only its nn.Dropout modules: attention dropout is functional and reads
         # the attention module's own flag (Llama's ``dropout=0.0 if not self.training else ...``); run in training
@@ -191,7 +162,7 @@ class PackingContaminated(Detector):
             mon._busy = False
         if packed_logits is None or alone_logits is None:
             return
-        self.compared_at = step
+        self.compared_at = micro.step
         a = packed_logits[0, start:end].float()
         b = alone_logits[0].float()
         diff = float((a - b).abs().max())
@@ -208,7 +179,7 @@ class PackingContaminated(Detector):
         else:
             candidates = ("packing_block_mask", "packing_contaminated_below_4_37", "packing_detection_needs_torch_2_6")
         boundary = "position_ids restart" if with_positions else "no position_ids: boundaries from the collator's examples"
-        mon.report("packing_contaminated", step,
+        mon.report("packing_contaminated", micro.step,
                    f"packed examples attend to each other: the second example of a packed row ({boundary}; tokens "
                    f"{start}..{end - 1}) gives logits {diff:.3g} away from the same example alone ({attention} attention)",
                    candidates, {"max_abs_logit_diff": diff, "logit_scale": scale, "row": row, "start": start, "end": end,

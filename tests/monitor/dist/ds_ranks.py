@@ -18,9 +18,9 @@ shims NOT applied (the test starts the ranks without ``FTSHIMS_AUTO``):
   parameter gathers would not match, so the ranks agree to localize nothing, and the run goes on.
 * ``packing`` / ``packing-off`` (ZeRO-3 only): TRL's ``SFTTrainer`` with ``packing=True`` (one batch a rank,
   rows of several examples with restarting position ids: the packing check's input; the resume gate's
-  ``sft_packing``), the healthy model (sdpa), with every detector on / with ``packing_contaminated`` off. The
-  check's two forwards run at the end of a step on both ranks; the two runs' losses and gradient norms must be
-  equal at every step (the check leaves the run untouched);
+  ``sft_packing``), the healthy model (sdpa), with every detector on / with ``packing_contaminated`` off.
+  Under ZeRO-3 the check stays out (its forwards broke the backward): the two runs' losses and gradient norms
+  must be equal at every step;
 * ``frozen`` (ZeRO-3 only): the LoRA model without checkpointing; at the end of step 2 every element of the frozen
   ``embed_tokens`` weight is moved by 1 (gathered, rank 0 modifies, DeepSpeed re-partitions): frozen_param_changed
   on both ranks (each judges its own partition).
