@@ -187,8 +187,8 @@ SAMPLED_ELEMENTS = 1 << 20  # a checksum reads at most this many elements of a p
 
 def _values(p):
     """The values of ``p`` this rank keeps: under DeepSpeed ZeRO-3 (``ds_id``) its own partition ``ds_tensor``
-    (``p.data`` is the full value only while gathered, 0 elements once released); else ``p`` itself. A
-    partition offloaded out of memory (NVMe) has 0 elements: not sampled, not judged."""
+    (``p.data`` is the full value only while gathered, 0 elements once released); else ``p`` itself. Values
+    with 0 elements are neither sampled nor judged (a partition swapped out to NVMe may be one: not run here)."""
     part = getattr(p, "ds_tensor", None) if hasattr(p, "ds_id") else None
     return p if part is None else part
 
