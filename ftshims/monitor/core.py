@@ -375,10 +375,15 @@ class Monitor:
                 notes.append("localize under DeepSpeed ZeRO-3: a re-run gathers the partitioned parameters, so it "
                              "runs only where every rank re-runs its batch the same way (the ranks agree at the step "
                              "whose global gradient norm is not finite); otherwise the finding names no module")
+        if stage == 3 and "packing_contaminated" in self.detectors.by_code:  # detectors/packing.py says why
+            notes.append("packing_contaminated is not judged under DeepSpeed ZeRO-3: its two extra forwards would go "
+                         "through the engine's parameter gathering and break the run's next backward; the packing "
+                         "does not depend on the engine: run the check on one process (the same model and collator)")
         self.engine = {"name": "deepspeed", "zero_stage": stage, "optimizer": type(zero).__name__, "notes": notes}
         if self.rank == 0:
             for note in notes:  # what cannot work is a warning; how localize works under ZeRO-3 is information
-                (log.info if note.startswith("localize under") else log.warning)("%s", note)
+                if not note.startswith("packing_contaminated"):  # logged at the first packed row, where it matters
+                    (log.info if note.startswith("localize under") else log.warning)("%s", note)
         for p in self.model.parameters():
             if p.requires_grad:
                 self._grad_hooks.append(p.register_hook(self._grad_arrived(id(p))))

@@ -14,7 +14,13 @@ ZeRO-2 then ZeRO-3, each a healthy, a silent-LoRA and a NaN run):
   collective): the monitor says so at train begin, and the ranks agree before re-running (at the step whose
   global norm is not finite); with the NaN on rank 0 alone they would re-run different passes, so nothing is
   localized and the run ends normally (no hang);
-* healthy runs: zero findings.
+* healthy runs: zero findings;
+* ZeRO-3, TRL's packing (``packing``): packing_contaminated's two forwards ran inside the engine's training
+  forward (the model's forward pre-hook) and the step's backward then failed ("The size of tensor a (0) must
+  match the size of tensor b (64)"); under ZeRO-3 the check now stays out and the engine header says so: the run
+  trains, and its losses and gradient norms equal those of the same run with the check off (``packing-off``);
+* ZeRO-3, a frozen weight moved on purpose (``frozen``): frozen_param_changed on both ranks (before, a fresh
+  ZeRO-3 run sampled no frozen parameter: their ``.data`` is empty at train begin).
 
 ``loss_count_mismatch`` is judged in one process only (``detectors/labels.py`` skips ``world > 1``): the
 one-process reference gets it beside these findings on stacks with the count bug; it is left out of the
@@ -60,6 +66,7 @@ def launch(tmp_path_factory):
     for name in ranks[0]["results"]:
         runs[name] = {
             "findings": [rank["results"][name] for rank in ranks],
+            "packing_compared": [rank["packing_compared"].get(name) for rank in ranks],
             "records": [[json.loads(line) for line in (out / f"{name}.rank{r}.jsonl").read_text().splitlines()]
                         for r in (0, 1)],
         }
@@ -158,3 +165,30 @@ def test_nan_on_one_rank_under_zero3_is_found_without_a_mismatched_rerun(launch)
     assert "rank 0: forward, rank 1: backward" in launch["log"]
     for records in run["records"]:
         assert [r["step"] for r in records if r["type"] == "step"] == [1, 2, 3, 4, 5]  # it trained on
+
+
+def _trainer_losses(records):
+    return [(r["step"], r["loss"], r.get("grad_norm")) for r in records if r["type"] == "log" and "loss" in r]
+
+
+def test_packing_check_stays_out_under_zero3_and_leaves_the_run_untouched(launch):
+    checked, unchecked = launch["runs"]["z3-packing"], launch["runs"]["z3-packing-off"]
+    assert checked["packing_compared"] == [None, None]  # no extra forward through ZeRO-3's parameter gathering
+    assert checked["findings"] == [[], []] and unchecked["findings"] == [[], []], (checked["findings"], unchecked["findings"])
+    for on, off in zip(checked["records"], unchecked["records"]):
+        assert any(n.startswith("packing_contaminated is not judged under DeepSpeed ZeRO-3")
+                   for n in on[0]["engine"]["notes"]), on[0]["engine"]
+        assert not any("packing_contaminated" in n for n in off[0]["engine"]["notes"])  # off: nothing to say
+        steps_on = [(r["step"], r["loss"], r["grad_norm"]) for r in on if r["type"] == "step"]
+        steps_off = [(r["step"], r["loss"], r["grad_norm"]) for r in off if r["type"] == "step"]
+        assert len(steps_on) == 5 and steps_on == steps_off, (steps_on, steps_off)  # bit-identical floats
+        assert _trainer_losses(on) == _trainer_losses(off) and len(_trainer_losses(on)) == 5
+    # said once, by rank 0, in the run with packed rows only (the header's note is in every ZeRO-3 run's JSONL)
+    assert launch["log"].count("packing_contaminated not judged under DeepSpeed ZeRO-3") == 1, launch["log"][-3000:]
+
+
+def test_frozen_parameter_changed_under_zero3_is_found_in_each_ranks_partition(launch):
+    run = launch["runs"]["z3-frozen"]
+    for rank, findings in enumerate(run["findings"]):
+        assert [(f["code"], f["step"]) for f in findings] == [("frozen_param_changed", 2)], (rank, findings)
+        assert findings[0]["detail"]["changed"] == ["base_model.model.model.embed_tokens.weight"], findings[0]

@@ -54,6 +54,28 @@ def test_packed_examples_attending_to_each_other(attn):
           remove_unused_columns=False).none()
 
 
+def test_packing_check_leaves_a_run_with_attention_dropout_untouched():
+    """The check's two forwards ran with the attention modules in training mode: attention dropout (functional,
+    not an nn.Dropout) drew random numbers there, shifting every later dropout mask of the run, and its noise made
+    a false finding with the packing fixed. Now the model is in eval mode for them: no finding, and the run's
+    weights equal those of the same run with the check off, bit for bit."""
+    from ftshims import tiny
+
+    data = rows_dataset(corpus(n=32, seq=16))
+    ftshims.apply()
+    runs = {}
+    for name, off in (("checked", []), ("unchecked", ["packing_contaminated"])):
+        runs[name] = train(tiny.tiny_llama(attn="sdpa", attention_dropout=0.3), data, monitor={"off": off},
+                           max_steps=3, trainer_kwargs={"data_collator": _packing_collator}, remove_unused_columns=False)
+        assert runs[name].error is None, runs[name].error
+    checked, unchecked = runs["checked"], runs["unchecked"]
+    assert checked.callback.monitor.detectors.by_code["packing_contaminated"].compared_at == 1  # it ran
+    checked.none()
+    ours, theirs = checked.trainer.model.state_dict(), unchecked.trainer.model.state_dict()
+    assert [n for n in ours if not torch.equal(ours[n], theirs[n])] == []
+    assert all(m.training for m in checked.trainer.model.modules())  # every module's mode restored
+
+
 def test_bf16_rotary_inv_freq():
     shim = "rope_inv_freq_fp32"
     from ftshims import tiny

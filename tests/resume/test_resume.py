@@ -5,7 +5,8 @@ Per case (tests/resume/worker.py) and engine the gate compares, on every rank: e
 (the Trainer's own value, unrounded) and a fingerprint of its input ids; the learning rate of every param group at
 the start of every optimizer step after K; the final global step; and every parameter's final value (gathered
 from FSDP2's DTensors and ZeRO-3's partitions). The expectation is **bit-identical** (``==`` on floats,
-``torch.equal`` on tensors: same process layout, same kernels, CPU). Where a resume cannot be exact the
+``torch.equal`` on tensors: same process layout, same kernels, CPU). Every Trainer runs under the monitor with
+every detector on, and a healthy run must have no finding. Where a resume cannot be exact the
 expectation says so and why:
 
 * ``refused``: a shim of ftshims raises :class:`ftshims.checkpoint.ResumeNotExact` before the first step (a
@@ -178,6 +179,10 @@ def test_resume_parity(engine, case, tmp_path_factory):
         checks = [c for r in run["full"] + run["resume"] for c in r.get("findings", []) if c.startswith("checkpoint_")]
         assert checks == [], f"{engine} {case}: the monitor found a save that differs from memory: {checks}"
         assert full0["manifest"], f"{engine} {case}: no ftshims-manifest.json beside checkpoint-{full0['k']}"
+        # every run here is healthy and every detector is on: any finding is the monitor's false positive
+        found = {f"{phase} rank {r['rank']}": r["findings"] for phase in ("full", "resume") for r in run[phase]
+                 if r.get("findings")}
+        assert found == {}, f"{engine} {case}: the monitor reported findings on a healthy run: {found}"
     if outcome in ("refused", "refused upstream"):
         errors = [r.get("error", "") for r in run["resume"]]
         start = "ResumeNotExact: ftshims: refusing to resume" if outcome == "refused" else \

@@ -299,11 +299,8 @@ def build_trainer(name, engine, phase, folder, world):
     lrs = {}
     import ftshims.monitor
 
-    # every save verified against memory, a manifest written beside it. Under ZeRO-3 packing_contaminated is off: its
-    # re-run of the first packed row (a forward outside the engine's step) makes the next backward fail there
-    # (deepspeed 0.19.8, SFTTrainer packing: "The size of tensor a (0) must match the size of tensor b (64)"): a
-    # monitor bug reported with issue 36, not this gate's subject
-    monitor = ftshims.monitor.callback(off=["packing_contaminated"] if engine == "zero3" else [])
+    # every save verified against memory, a manifest written beside it; every detector on, on every engine
+    monitor = ftshims.monitor.callback()
     with tiny.quiet():
         trainer = recording(cls)(callbacks=[lr_recorder(lrs), monitor], **trainer_kw)
     trainer.calls = []

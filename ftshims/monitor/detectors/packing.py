@@ -1,16 +1,28 @@
 """``packing_contaminated``: a packed example whose logits differ from the same example run alone.
 
-Once per run, on the first packed training batch: a row whose ``position_ids`` restart at 0 between
-real tokens (at most ``LOOKS`` batches with position ids are read to the host to find one), or a
-single flattened row the collator built from several examples without any boundary (TRL 0.19-0.23.0
-padding-free batches: the Trainer callback learns where the examples start from the collator's
-input, their lengths or the position ids of TRL's packed rows). The row up to the end of its second
-example and that example alone (positions from 0, no padding) go through two extra no-grad forwards,
-with the same attention inputs the training forward got (a 2D mask cut to the row, a 4D block mask a
-collator built cut to the same rows and columns); dropout is switched off for them. Under causal
-attention the first example cannot see anything else, so the second is the first one that can be
-contaminated. Logits further apart than ``TOLERANCE`` (relative to their scale; ``HALF_TOLERANCE``
-in fp16/bf16) mean the examples attend to each other.
+Once per run, on the first packed training batch: a row whose ``position_ids`` restart at 0 between real tokens
+(at most ``LOOKS`` batches with position ids are read to the host to find one), or a single flattened row the
+collator built from several examples without any boundary (TRL 0.19-0.23.0 padding-free batches: the Trainer
+callback learns where the examples start from the collator's input, their lengths or the position ids of TRL's
+packed rows). The row up to the end of its second example and that example alone (positions from 0, no padding)
+go through two extra no-grad forwards, with the same attention inputs the training forward got (a 2D mask cut to
+the row, a 4D block mask a collator built cut to the same rows and columns), the model in eval mode for them
+(every dropout off, attention dropout too; each module's mode restored after): they draw no random number and
+change no weight, so the run is the one it would be without the check. Under causal attention the first example
+cannot see anything else, so the second is the first one that can be contaminated. Logits further apart than
+``TOLERANCE`` (relative to their scale; ``HALF_TOLERANCE`` in fp16/bf16) mean the examples attend to each other.
+
+Not judged under DeepSpeed ZeRO-3 (partitioned parameters; a note in the monitor's engine header, and rank 0
+logs it once, at the first packed row). Every forward of a ZeRO-3 model goes through the engine's parameter
+coordinator: hooks on each module gather its parameters and release them after, following a trace of the module
+order that the start of a root forward resets, and the backward re-gathers by that bookkeeping. The two forwards
+change it, and the run's next backward then meets a released, 0-element parameter (deepspeed 0.19.8, 2 CPU
+ranks, TRL packing: "The size of tensor a (0) must match the size of tensor b (64)"): run inside the training
+forward (from the model's forward pre-hook, as here) they reset the trace mid-step, and even run whole between
+two optimizer steps, on every rank at once, they broke the next backward of a resumed run (the first step after
+DeepSpeed's checkpoint load). A check that can break the run it watches stays out; what it looks for (attention
+across packed examples) depends on the model, the attention and the collator, not on the engine, so one process
+shows it.
 
 Explains ``packing_block_mask`` (eager/sdpa with packed position ids), the
 packing advisories of old transformers/torch, ``flash_attn_packing`` (flash
@@ -59,6 +71,11 @@ class PackingContaminated(Detector):
         self.looked = 0
         self.done = False
         self.collated: List[List[int]] = []  # position ids of a flattened row the collator sent without them
+        self.compared_at: Optional[int] = None  # the step whose packed row went through the two forwards
+        self.zero3 = False  # DeepSpeed ZeRO-3: not judged (the module docstring)
+
+    def begin(self, mon) -> None:
+        self.zero3 = mon.engine.get("name") == "deepspeed" and mon.engine.get("zero_stage") == 3
 
     def note_collated(self, features, batch) -> None:
         """From the Trainer's collate_fn (main process): a single flattened row without position ids, built from
@@ -103,6 +120,15 @@ class PackingContaminated(Detector):
     def _check(self, mon, micro, inputs, row, start, end, with_positions) -> None:
         import torch
 
+        if self.zero3:  # the first packed row: said once (rank 0), where it matters; no forward
+            if mon.rank == 0:
+                import logging
+
+                logging.getLogger("ftshims.monitor").warning(
+                    "step %d: packed rows, packing_contaminated not judged under DeepSpeed ZeRO-3 (its extra forwards "
+                    "would break the run's next backward); run the check on one process", micro.step)
+            return
+
         ids = inputs["input_ids"]
         mask = inputs.get("attention_mask")
         packed = {"input_ids": ids[row : row + 1, :end]}
@@ -119,20 +145,24 @@ class PackingContaminated(Detector):
             packed["position_ids"] = inputs["position_ids"].reshape(ids.shape)[row : row + 1, :end]
             alone["position_ids"] = torch.arange(end - start, device=ids.device).unsqueeze(0)
         model = mon.model
-        dropout = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
+        # the whole model in eval mode, not only its nn.Dropout modules: attention dropout is functional and reads
+        # the attention module's own flag (Llama's ``dropout=0.0 if not self.training else ...``); run in training
+        # mode it drew random numbers, which shifted every later dropout mask of the run, and put dropout noise
+        # into the comparison (a false packing_contaminated with the packing fixed). Each module's mode restored.
+        modes = [(m, m.training) for m in model.modules()]
         mon._busy = True
         try:
-            for m in dropout:
-                m.eval()
+            model.eval()
             with torch.no_grad():
                 packed_logits = getattr(model(**packed), "logits", None)
                 alone_logits = getattr(model(**alone), "logits", None)
         finally:
-            for m in dropout:
-                m.train()
+            for m, training in modes:
+                m.training = training
             mon._busy = False
         if packed_logits is None or alone_logits is None:
             return
+        self.compared_at = micro.step
         a = packed_logits[0, start:end].float()
         b = alone_logits[0].float()
         diff = float((a - b).abs().max())

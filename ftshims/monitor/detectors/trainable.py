@@ -24,6 +24,12 @@
   even when something set ``requires_grad`` back on them.
   ``resize_embeddings_keeps_frozen`` explains moved embeddings (transformers < 4.36
   ``resize_token_embeddings`` makes new, trainable embedding parameters).
+  Under DeepSpeed ZeRO-3 a parameter's ``.data`` is the full value only while the engine has it gathered and
+  an empty tensor after it releases it: the checksum is then taken of the rank's own partition
+  (``ds_tensor``, where ZeRO-3 keeps the value and writes an update), each rank judging its own part. Before,
+  a resumed run (DeepSpeed's checkpoint load leaves the parameters gathered at train begin) compared full
+  values against the empty views of later checks ("8 of 8 sampled frozen parameters changed" on every rank of
+  a healthy LoRA resume), and a fresh run (parameters partitioned at train begin) sampled nothing at all.
 """
 
 from __future__ import annotations
@@ -139,11 +145,11 @@ class FrozenParamChanged(Detector):
     def begin(self, mon) -> None:
         model = mon.model
         named = list(model.named_parameters())
-        frozen = [(n, p, False) for n, p in named if not p.requires_grad and p.numel()]
+        frozen = [(n, p, False) for n, p in named if not p.requires_grad and _values(p).numel()]
         adapter_ids = facts.adapter_parameter_ids(model)
         meant = []
         if adapter_ids is not None:  # a PeftModel: its base weights are frozen by PEFT
-            meant = [(n, p, True) for n, p in named if p.requires_grad and id(p) not in adapter_ids and p.numel()]
+            meant = [(n, p, True) for n, p in named if p.requires_grad and id(p) not in adapter_ids and _values(p).numel()]
         self.embeddings = facts.embedding_parameters(model)
         limit = mon.options["frozen_samples"]
         first = [c for c in meant if id(c[1]) in self.embeddings] + [c for c in frozen if id(c[1]) in self.embeddings]
@@ -161,7 +167,7 @@ class FrozenParamChanged(Detector):
     def check(self, mon) -> None:
         if self.done or not self.sample:
             return
-        changed = [(n, p, m) for n, p, before, m in self.sample if _checksum(p) != before]
+        changed = [(n, p, m) for n, p, before, m in self.sample if _values(p).numel() and _checksum(p) != before]
         if not changed:
             return
         self.done = True
@@ -179,12 +185,20 @@ class FrozenParamChanged(Detector):
 SAMPLED_ELEMENTS = 1 << 20  # a checksum reads at most this many elements of a parameter (a strided view)
 
 
+def _values(p):
+    """The values of ``p`` this rank keeps: under DeepSpeed ZeRO-3 (``ds_id``) its own partition ``ds_tensor``
+    (``p.data`` is the full value only while gathered, 0 elements once released); else ``p`` itself. Values
+    with 0 elements are neither sampled nor judged (a partition swapped out to NVMe may be one: not run here)."""
+    part = getattr(p, "ds_tensor", None) if hasattr(p, "ds_id") else None
+    return p if part is None else part
+
+
 def _checksum(p) -> tuple:
-    """Sum and sum of squares (float64) of up to SAMPLED_ELEMENTS evenly strided elements: two scalars,
-    read at begin and at each check, never per step, and no copy of the parameter."""
+    """Sum and sum of squares (float64) of up to SAMPLED_ELEMENTS evenly strided elements of ``_values(p)``:
+    two scalars, read at begin and at each check, never per step, and no copy of the parameter."""
     import torch
 
-    flat = p.detach().reshape(-1)
+    flat = _values(p).detach().reshape(-1)
     part = flat[:: max(1, flat.numel() // SAMPLED_ELEMENTS)]
     wide = part.to(torch.float32 if part.device.type == "mps" else torch.float64)
     return tuple(torch.stack([wide.sum(), wide.square().sum()]).tolist())

@@ -16,9 +16,18 @@ shims NOT applied (the test starts the ranks without ``FTSHIMS_AUTO``):
 * ``nan-rank0`` (ZeRO-3 only): the same NaN on rank 0 alone. Rank 0 would re-run a forward (its loss is NaN),
   rank 1 a forward and a backward (its loss is finite, the global norm is not): under ZeRO-3 those re-runs'
   parameter gathers would not match, so the ranks agree to localize nothing, and the run goes on.
+* ``packing`` / ``packing-off`` (ZeRO-3 only): TRL's ``SFTTrainer`` with ``packing=True`` (one batch a rank,
+  rows of several examples with restarting position ids: the packing check's input; the resume gate's
+  ``sft_packing``), the healthy model (sdpa), with every detector on / with ``packing_contaminated`` off.
+  Under ZeRO-3 the check stays out (its forwards broke the backward): the two runs' losses and gradient norms
+  must be equal at every step;
+* ``frozen`` (ZeRO-3 only): the LoRA model without checkpointing; at the end of step 2 every element of the frozen
+  ``embed_tokens`` weight is moved by 1 (gathered, rank 0 modifies, DeepSpeed re-partitions): frozen_param_changed
+  on both ranks (each judges its own partition).
 
 Each run writes the monitor's JSONL per rank (``OUT/z<stage>-<run>.rank<N>.jsonl``, with the Trainer's
-logged values as ``log`` records), and each rank writes ``OUT/rank<N>.json``: per run its findings.
+logged values as ``log`` records), and each rank writes ``OUT/rank<N>.json``: per run its findings, and the
+step whose packed row the packing check compared (``packing_compared``).
 
 The LoRA run uses DeepSpeed's own optimizer (an ``optimizer`` section in the config: one group of the
 trainable weights): with LoRA-only trainable weights the Trainer's default optimizer has an empty no-decay
@@ -40,8 +49,10 @@ import sys
 import tempfile
 
 STEPS = 5
-RUNS = {2: ("healthy", "silent", "nan"), 3: ("healthy", "silent", "nan", "nan-rank0")}
+RUNS = {2: ("healthy", "silent", "nan"),
+        3: ("healthy", "silent", "nan", "nan-rank0", "packing", "packing-off", "frozen")}
 ROWS = 40  # 2 ranks x 2 rows x 5 steps, and some left
+COMPARED = {}  # run -> the step whose packed row the packing check compared (None: it compared none)
 
 
 def rows():
@@ -67,6 +78,23 @@ def ds_config(stage: int, own_optimizer: bool) -> dict:
     return config
 
 
+def sft_rows():
+    """24 examples of 3..8 tokens for TRL's packing (max_length 16: rows of several examples)."""
+    import torch
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(3, 9, (24,), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": [torch.randint(4, 128, (n,), generator=g).tolist() for n in lengths]})
+
+
+def word_tokenizer():
+    from ftshims import tiny
+
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(4, 128)]
+    return tiny.word_tokenizer(words, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
 def lora_model():
     from peft import LoraConfig, get_peft_model
 
@@ -87,8 +115,34 @@ def run(stage, name: str, out: str) -> list:
 
     extra = {}
     callbacks = []
+    trainer_kwargs = {}
+    options = {}
     if name == "healthy":
         model = tiny.tiny_llama()
+    elif name in ("packing", "packing-off"):  # TRL's SFTTrainer, packing=True (the resume gate's sft_packing)
+        model = tiny.tiny_llama(attn="sdpa")
+        trainer_kwargs["processing_class"] = word_tokenizer()
+        # bf16=False: SFTConfig defaults to bf16, which DeepSpeed's CPU accelerator refuses
+        extra.update(packing=True, max_length=16, dataset_num_proc=None, bf16=False)
+        if name == "packing-off":
+            options["off"] = ["packing_contaminated"]
+    elif name == "frozen":
+        model = lora_model()
+
+        class Nudge(TrainerCallback):
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                if state.global_step != 2:
+                    return
+                import deepspeed
+                import torch.distributed as dist
+
+                weight = model.get_input_embeddings().weight
+                assert not weight.requires_grad
+                with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+                    if dist.get_rank() == 0:
+                        weight.data.add_(1.0)
+
+        callbacks.append(Nudge())
     elif name == "silent":
         model = lora_model()
         extra["gradient_checkpointing"] = True
@@ -111,18 +165,26 @@ def run(stage, name: str, out: str) -> list:
     if stage is None:
         extra.update(per_device_train_batch_size=4, use_cpu=True)
     else:
-        extra.update(per_device_train_batch_size=2, deepspeed=ds_config(stage, own_optimizer=name == "silent"),
+        extra.update(per_device_train_batch_size=1 if "packing" in extra else 2, deepspeed=ds_config(stage, own_optimizer=name in ("silent", "frozen")),
                      accelerator_config={"use_configured_state": True})
-    monitor = ftshims.monitor.callback(log=os.path.join(out, f"z{stage or 'single'}-{name}.jsonl"))
+    monitor = ftshims.monitor.callback(log=os.path.join(out, f"z{stage or 'single'}-{name}.jsonl"), **options)
     with tempfile.TemporaryDirectory(dir=out) as tmp, tiny.quiet():
-        args = TrainingArguments(
+        kind, trainer_class, data = TrainingArguments, Trainer, rows()
+        if "packing" in extra:
+            from trl import SFTConfig, SFTTrainer
+
+            kind, trainer_class, data = SFTConfig, SFTTrainer, sft_rows()
+        args = kind(
             output_dir=tmp, max_steps=STEPS, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
             disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0, **extra,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=rows(), callbacks=[monitor, *callbacks])
+        trainer = trainer_class(model=model, args=args, train_dataset=data, callbacks=[monitor, *callbacks],
+                                **trainer_kwargs)
         trainer.train()
         del trainer
     _reset()
+    packing = monitor.monitor.detectors.by_code.get("packing_contaminated")
+    COMPARED[f"z{stage or 'single'}-{name}"] = None if packing is None else packing.compared_at
     return [finding.to_dict() for finding in monitor.findings]
 
 
@@ -157,7 +219,7 @@ def main() -> None:
         for name in ns.run or RUNS[stage]:
             results[f"z{stage}-{name}"] = run(stage, name, ns.out)
             with open(os.path.join(ns.out, f"rank{state.process_index}.json"), "w") as fh:
-                json.dump({"world": state.num_processes, "results": results}, fh, indent=1)
+                json.dump({"world": state.num_processes, "results": results, "packing_compared": COMPARED}, fh, indent=1)
     import torch.distributed as dist
 
     dist.barrier()
