@@ -21,7 +21,8 @@ docs/hostsync.md), the bidirectional masks the forward builds are ANDed with "sa
 ``DebertaV2Encoder.get_attention_mask`` result is multiplied by the same block matrix. Examples are found by
 position differences, as 5.25 does, so positions numbered from 0 or from ``padding_idx + 1`` both work.
 
-Left alone (the call exactly as it was): calls with an attention mask (padded batches), rows of one example, calls
+Left alone (the call exactly as it was): the BERT/RoBERTa line on 5.25.0 and later (not wrapped), calls with an
+attention mask (padded batches), rows of one example, calls
 whose mask builder already got ``position_ids`` (5.25's own fix) or an ``and_mask_function``, cross-attention masks,
 caches, flash attention (its varlen path uses the positions itself), and everything under ``torch.compile`` (no
 value can be read there: compiled padding-free encoders keep upstream's mask). Families whose release builds masks
@@ -180,11 +181,20 @@ def _own_mask_wrapper(wrapped, instance, args, kwargs):
 def install(patcher, options) -> None:
     from ..patching import require_params
 
+    from packaging.version import Version
+
+    from ..versions import installed_version
+
     masking_utils = sys.modules["transformers.masking_utils"]
     if not callable(getattr(masking_utils, "packed_sequence_mask_function", None)):
         raise TargetMissing("transformers.masking_utils.packed_sequence_mask_function not found")
+    # From 5.25.0 the BERT/RoBERTa line keeps packed examples apart itself: those forwards are not wrapped at all
+    # (the wrapper would read its packing flag on the host every padding-free step for nothing)
+    fixed_here = Version(installed_version("transformers") or "0") >= Version("5.25.0")
 
     for model_type, (module_name, class_name) in FAMILIES.items():
+        if fixed_here and model_type in FIXED_IN_5_25:
+            continue
 
         def part(module, model_type=model_type, module_name=module_name, class_name=class_name):
             cls = vars(module).get(class_name)

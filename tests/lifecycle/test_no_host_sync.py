@@ -305,6 +305,9 @@ PACKING_DETECTION = {
     ("ftshims/shims/_packing.py", "segments"):
         "packing_block_mask / packing_recurrent_state: _packing.segments() reads bool(starts.any()) once per mask "
         "build of a masking_utils decoder (unpacked batches too), and once in packing_recurrent_state's base forward",
+    ("ftshims/shims/encoder_packing_block_mask.py", "packed_segments"):
+        "encoder_packing_block_mask: packed_segments() reads bool(starts.any()) once per padding-free forward of an "
+        "encoder it keeps apart (transformers 5.x; the BERT/RoBERTa line only before 5.25)",
     ("ftshims/shims/packing_recurrent_state.py", "_spans"):
         "packing_recurrent_state: _spans() reads segment_ids.tolist() on a packed forward of a hybrid model",
 }

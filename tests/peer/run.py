@@ -9,6 +9,14 @@ stand-ins (tests/peer/hub.py):
 * ``off``: no ftshims (``FTSHIMS_AUTO`` unset: the start-up hook does nothing);
 * ``default``: ``FTSHIMS_AUTO=1``: every process applies the default shims at start-up, as a user's run would.
 
+The ``off`` outcomes depend on nothing of ftshims: with the release's pins they are recorded once
+(``--record-off`` writes ``tests/peer/<suite>/<release>/off-outcomes.json`` with the versions and the selection
+they were taken with), and a run whose versions and selection match reads them instead of running the tests a
+second time (half the CI time). Every id whose recorded ``off`` outcome differs from the ``default`` run then runs
+live in ``off`` mode, and only live outcomes are compared: a recorded outcome can hide no difference the live ``off``
+run would show unless the test changes outcome between two runs of the same code (the flaky case below). Recorded
+outcomes a live run contradicts are listed as stale (record again). ``--off live`` always runs both modes.
+
 Every test id whose outcome differs between the two must be declared in tests/peer/declared.toml (with the shim,
 the reason and the upstream reference); an undeclared difference fails the run, and so does a declared one that did
 not happen (a stale declaration hides the next real one). The result, with per-file counts for both modes, is
@@ -69,6 +77,29 @@ def installed(name: str) -> str:
     import importlib.metadata as md
 
     return md.version(name)
+
+
+def selection_key(config: dict, versions: dict) -> dict:
+    """What recorded ``off`` outcomes were taken with: they stand for a live run only when all of it is the same."""
+    return {"versions": versions, "files": config["files"], "select": config.get("select"),
+            "stubs": config.get("stubs", {}), "pytest_args": config.get("pytest_args", []),
+            "cpu_bf16": bool(config.get("cpu_bf16"))}
+
+
+def recorded_off_path(config: dict) -> Path:
+    return config["folder"] / "off-outcomes.json"
+
+
+def recorded_off(config: dict, key: dict):
+    """The recorded ``off`` outcomes when they were taken with exactly ``key``; else None, and why."""
+    path = recorded_off_path(config)
+    if not path.is_file():
+        return None, f"no {path.relative_to(ROOT)} (python tests/peer/run.py --record-off writes it)"
+    data = json.loads(path.read_text())
+    if data.get("key") != key:
+        changed = sorted(k for k in set(key) | set(data.get("key", {})) if key.get(k) != data.get("key", {}).get(k))
+        return None, f"{path.relative_to(ROOT)} was recorded with another {', '.join(changed)}"
+    return {t: {"outcome": o} for t, o in data["outcomes"].items()}, ""
 
 
 def run_mode(mode: str, workdir: Path, config: dict, outcomes_path: Path, extra: list, test_ids=None) -> float:
@@ -147,6 +178,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "matrix-results" / "peer"))
     parser.add_argument("--hub-cache", default=str(ROOT / ".nox" / ".peer-hub"))
     parser.add_argument("--keep", action="store_true", help="keep the working folder (printed)")
+    parser.add_argument("--off", choices=("recorded", "live"), default="recorded",
+                        help="off outcomes: the recorded ones when they match this venv and selection (default), or run")
+    parser.add_argument("--record-off", action="store_true",
+                        help="run the off mode only and record its outcomes for this release (off-outcomes.json)")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to both pytest runs (e.g. -k collator)")
     args = parser.parse_args(argv)
 
@@ -164,13 +199,52 @@ def main(argv=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix=f"peer-{args.suite}-{args.release}-"))
     shutil.copytree(config["folder"] / "tests", workdir / "tests")
     (workdir / hub.ORG).symlink_to(hub_dir / hub.ORG, target_is_directory=True)
+    versions = {p: installed(p) for p in ("torch", "transformers", "peft", "trl", "accelerate")}
+    key = selection_key(config, versions)
+    if args.record_off:
+        if args.pytest_args:
+            raise SystemExit("--record-off records the whole selection: no pytest arguments")
+        path = workdir / "outcomes-off.json"
+        wall, cpu = run_mode("off", workdir, config, path, [])
+        outcomes = json.loads(path.read_text())["outcomes"]
+        recorded_off_path(config).write_text(json.dumps({
+            "key": key, "seconds": round(wall, 1), "cpu_seconds": round(cpu, 1),
+            "outcomes": {t: e["outcome"] for t, e in sorted(outcomes.items())}}, indent=0) + "\n")
+        print(f"recorded {len(outcomes)} off outcomes in {recorded_off_path(config).relative_to(ROOT)} "
+              f"({round(wall, 1)} s, {round(cpu, 1)} s CPU)")
+        shutil.rmtree(workdir, ignore_errors=True)
+        return 0
+    off_recorded, why_live = (None, "--off live") if args.off == "live" else \
+        (None, "a selection (pytest arguments)") if args.pytest_args else recorded_off(config, key)
     results, seconds, cpu_seconds, stubbed = {}, {}, {}, []
     for mode in MODES:
+        if mode == "off" and off_recorded is not None:
+            results[mode], seconds[mode], cpu_seconds[mode] = off_recorded, 0.0, 0.0
+            continue
         path = workdir / f"outcomes-{mode}.json"
         wall, cpu = run_mode(mode, workdir, config, path, args.pytest_args)
         seconds[mode], cpu_seconds[mode] = round(wall, 1), round(cpu, 1)
         data = json.loads(path.read_text())
         results[mode], stubbed = data["outcomes"], data["stubbed"]
+    # Recorded off outcomes are compared only after a live run: every id they differ on runs live in off mode, and
+    # its live outcome replaces the recorded one (a recorded outcome the live run contradicts is stale).
+    stale_recorded = []
+    if off_recorded is not None:
+        differing = sorted(t for t in set(results["off"]) | set(results["default"])
+                           if (results["off"].get(t) or {}).get("outcome") != (results["default"].get(t) or {}).get("outcome"))
+        if differing:
+            path = workdir / "outcomes-off-live.json"
+            wall, cpu = run_mode("off", workdir, config, path, [], test_ids=differing)
+            seconds["off"], cpu_seconds["off"] = round(wall, 1), round(cpu, 1)
+            live = json.loads(path.read_text())["outcomes"]
+            for test_id in differing:
+                recorded = (results["off"].get(test_id) or {}).get("outcome")
+                if (live.get(test_id) or {}).get("outcome") != recorded:
+                    stale_recorded.append(test_id)
+                if test_id in live:
+                    results["off"][test_id] = live[test_id]
+                else:
+                    results["off"].pop(test_id, None)
     # A difference must reproduce: each differing id runs again in both modes (REPEATS times). One whose outcome
     # changes between runs of the same mode is flaky: the difference is not ftshims', and it is reported apart.
     flaky = []
@@ -196,7 +270,9 @@ def main(argv=None) -> int:
                           or (results["default"].get(t) or {}).get("outcome") == "passed")
     summary = {
         "suite": args.suite, "release": args.release, "source": config["source"],
-        "versions": {p: installed(p) for p in ("torch", "transformers", "peft", "trl", "accelerate")},
+        "versions": versions,
+        "off_outcomes": "recorded" if off_recorded is not None else f"live ({why_live})",
+        "stale_recorded_off": stale_recorded,
         "seconds": seconds, "cpu_seconds": cpu_seconds, "stubbed": stubbed, "test_ids": len(set(results["off"]) | set(results["default"])),
         "passed_in_either_mode": len(ran_for_real),
         "per_file": {mode: counts(results[mode]) for mode in MODES},
@@ -212,6 +288,11 @@ def main(argv=None) -> int:
         (out / f"{args.suite}-{args.release}-{mode}-outcomes.json").write_text(json.dumps(results[mode], indent=0))
 
     print(f"{args.suite} {args.release} tests ({config['source']}) on {summary['versions']}")
+    if off_recorded is not None:
+        print(f"  off: the recorded outcomes ({recorded_off_path(config).relative_to(ROOT)}); the ids they differ on "
+              f"from default ran live in off mode")
+    else:
+        print(f"  off: run live ({why_live})")
     if stubbed:
         print(f"  stood in for names gone from the release, in both modes alike: {', '.join(stubbed)}")
     print(f"  {summary['test_ids']} test ids, {summary['passed_in_either_mode']} passed in at least one mode; "
@@ -228,6 +309,8 @@ def main(argv=None) -> int:
         print(f"  UNDECLARED: {test_id}: {a} -> {b}: {message}")
     for test_id in stale:
         print(f"  STALE declaration (did not happen): {test_id}")
+    for test_id in stale_recorded:
+        print(f"  stale recorded off outcome (the live off run differs; record again): {test_id}")
     for test_id in flaky:
         print(f"  flaky (outcome changed between runs of one mode; not compared): {test_id}")
     if args.keep:
