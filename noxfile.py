@@ -277,14 +277,19 @@ PEER_RELEASES = {"t4_53": ("trl", "0.19.1"), "t4_57": ("trl", "1.16.0")}
 def peer(session: nox.Session, stack: str) -> None:
     """TRL's own tests (vendored under tests/peer/trl/<release>/) off vs ``FTSHIMS_AUTO=1``, per test id.
 
-    Arguments after -- go to both pytest runs (e.g. -- -k collator). Results: matrix-results/peer/.
+    Arguments after -- go to both pytest runs (e.g. -- -k collator), except run.py's own ``--record-off`` (run the
+    off mode and record its outcomes) and ``--off-live`` (run the off mode instead of reading the recorded outcomes).
+    Results: matrix-results/peer/.
     """
     suite, release = PEER_RELEASES[stack]
     session.install(*_torch_source(), _torch(stack), *STACKS[stack]["pins"], *TEST_DEPS, "parameterized==0.9.0")
     _install_project(session)  # the runs import the installed ftshims (the vendored tree is a package named tests)
     env = _test_env(FTSHIMS_STACK=stack)
+    own = [a for a in session.posargs if a in ("--record-off", "--off-live")]
+    to_pytest = [a for a in session.posargs if a not in own]
+    options = ["--record-off"] * ("--record-off" in own) + ["--off", "live"] * ("--off-live" in own)
     session.run("python", "tests/peer/run.py", "--suite", suite, "--release", release, "--out", str(RESULTS / "peer"),
-                "--hub-cache", str(ROOT / ".nox" / ".peer-hub"), *(["--"] + session.posargs if session.posargs else []),
+                "--hub-cache", str(ROOT / ".nox" / ".peer-hub"), *options, *(["--"] + to_pytest if to_pytest else []),
                 env=env)
 
 
