@@ -104,6 +104,40 @@ def word_tokenizer(words, **special_tokens):
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", **special_tokens)
 
 
+def on_cpu() -> dict:
+    """The ``TrainingArguments`` keyword that keeps a Trainer on the CPU in the installed release: ``use_cpu=True``
+    (transformers 4.34 and later), ``no_cuda=True`` before."""
+    import inspect
+
+    from transformers import TrainingArguments
+
+    params = inspect.signature(TrainingArguments.__init__).parameters
+    return {"use_cpu": True} if "use_cpu" in params else {"no_cuda": True}
+
+
+@contextlib.contextmanager
+def resumable():
+    """Around a probe's resumed ``Trainer.train``: where the installed transformers cannot resume any checkpoint under
+    the installed torch, the scenario cannot be expressed (``ProbeUnsupported``). transformers before ~4.40 loads
+    ``rng_state.pth`` (numpy arrays) with ``torch.load``'s default, which torch 2.6 made ``weights_only=True``: every
+    resume there raises ``UnpicklingError``, whatever ftshims does."""
+    import pickle
+
+    from .spec import ProbeUnsupported
+
+    try:
+        yield
+    except pickle.UnpicklingError as exc:
+        import torch
+
+        from .versions import installed_version
+
+        raise ProbeUnsupported(
+            f"transformers {installed_version('transformers')} cannot resume a checkpoint under torch "
+            f"{torch.__version__}: its rng_state.pth load fails (weights_only): {str(exc).splitlines()[0][:80]}"
+        ) from exc
+
+
 def trainer_first_step(model, rows, batch_size: int, accumulation: int, **arguments):
     """One optimizer step of a ``Trainer`` (learning rate 0, no clipping) on ``rows``: ``(the loss it logs, the
     accumulated gradients concatenated, the trainer)``. The gradients are taken as they stand after the step's

@@ -7,8 +7,10 @@ Why: with a training dataset that has no length (a ``torch.utils.data.IterableDa
 of a fresh pass: the skip runs off the end of the data, the next pass starts at its first example, and the
 resumed run trains examples the uninterrupted run did not (10 examples, batch 1, 16 steps, resumed at 12:
 examples 0, 1, 2, 3 at steps 13-16 instead of 2, 3, 4, 5; losses and weights differ). transformers 4.57.6 and
-5.25.0 (both run, dossier-wave5 lead 4); older releases stopped with "not a single sample in your
-epoch_iterator" (huggingface/transformers#26413); PR #33544 (count the passes) is open, never merged.
+5.25.0 (both run, dossier-wave5 lead 4). Older releases (4.30.2 and 4.34.1 run) lose the rest of the run
+instead: the skip empties the resumed pass and the Trainer stops at once with "not a single sample in your
+epoch_iterator" (huggingface/transformers#26413), a warning, having trained none of steps 13-16. PR #33544 (count
+the passes) is open, never merged.
 
 The guard: wrap ``Trainer._load_optimizer_and_scheduler`` (called on every resume before the first step). When
 the training dataset has no length, ``max_steps`` is set, the data skip is on (``ignore_data_skip=False``) and
@@ -18,8 +20,10 @@ checkpoint, the passes and what to do (``ignore_data_skip=True`` resumes with th
 knowingly). A checkpoint inside the first pass (epoch < 1) resumes exactly upstream and goes through; so do
 datasets with a length, and runs without ``max_steps``.
 
-Applies to transformers >= 4.36 (run on 4.57.6 and 5.25.0; the pinned stacks from 4.36.2 on run the test, whose
-probe asserts the bug there; releases before 4.36 were not checked and stay out); not fixed in 5.25.0. Fallback: a missing or changed target skips the shim; the
+Applies to transformers >= 4.30 (every pinned stack, 4.30.2 to 5.25.0, runs the test, whose probe asserts the bug
+there; releases before 4.30 were not checked and stay out); not fixed in 5.25.0. Where the installed transformers
+cannot resume any checkpoint under the installed torch (before ~4.40 with torch >= 2.6: ``rng_state.pth`` and
+``weights_only``), the in-first-pass probe is unsupported. Fallback: a missing or changed target skips the shim; the
 ``Trainer``'s attributes it reads (``train_dataset``, ``args``) are read with defaults, and when it cannot tell
 (no ``trainer_state.json``, an unreadable one) it stays out.
 """
@@ -40,7 +44,7 @@ SPEC = ShimSpec(
     why="Without a length the Trainer counts max_steps updates as one epoch, so a resume skips global_step batches "
     "of one fresh pass, runs off its end and restarts the data. The guard raises a clear error before the first "
     "step (set ignore_data_skip=True to restart the data knowingly).",
-    requires={"transformers": ">=4.36.0"},
+    requires={"transformers": ">=4.30.0"},
     fixed_in={},
     effect="guards",
     refs=(
@@ -131,7 +135,7 @@ def _run(out, resume=None, passes=10, steps=16, save=12):
 
     model.register_forward_pre_hook(note, with_kwargs=True)
     args = TrainingArguments(out, per_device_train_batch_size=1, max_steps=steps, learning_rate=1e-3, save_steps=save,
-                             save_strategy="steps", report_to=[], seed=0, use_cpu=True, disable_tqdm=True,
+                             save_strategy="steps", report_to=[], seed=0, disable_tqdm=True, **tiny.on_cpu(),
                              logging_strategy="no")
     with tiny.quiet():
         Trainer(model=model, args=args, train_dataset=Stream()).train(resume_from_checkpoint=resume)
@@ -143,12 +147,14 @@ def probe(save: int = 12) -> Observation:
     new Trainer resumed from it. The bug: the examples of the resumed steps are not the uninterrupted run's."""
     import tempfile
 
+    from .. import tiny
     from ..checkpoint import ResumeNotExact
 
     with tempfile.TemporaryDirectory() as out:
         full = _run(out, save=save)
         try:
-            resumed = _run(out + "/resumed", resume=f"{out}/checkpoint-{save}", save=save)
+            with tiny.resumable():
+                resumed = _run(out + "/resumed", resume=f"{out}/checkpoint-{save}", save=save)
         except ResumeNotExact as exc:
             return Observation(False, f"checkpoint-{save}: resume refused before the first step: {str(exc)[:140]}...")
     want = full[save:]

@@ -108,7 +108,7 @@ def _run(out, save_only_model, resume=None):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (16, 8), generator=g)
     rows = [{"input_ids": r, "labels": r.clone()} for r in ids]
-    extra = {"use_cpu": True}
+    extra = tiny.on_cpu()
     args = TrainingArguments(out, per_device_train_batch_size=2, max_steps=8, learning_rate=1e-3, warmup_steps=2,
                              lr_scheduler_type="linear", save_steps=4, save_strategy="steps", report_to=[], seed=0,
                              save_only_model=save_only_model, disable_tqdm=True, logging_strategy="no", **extra)
@@ -126,6 +126,7 @@ def probe(save_only_model: bool = True) -> Observation:
 
     from packaging.version import Version
 
+    from .. import tiny
     from ..checkpoint import ResumeNotExact
     from ..versions import installed_version
 
@@ -134,7 +135,8 @@ def probe(save_only_model: bool = True) -> Observation:
     with tempfile.TemporaryDirectory() as out:
         full_lrs, full_weights = _run(out, save_only_model)
         try:
-            resumed_lrs, resumed_weights = _run(out + "/resumed", save_only_model, resume=out + "/checkpoint-4")
+            with tiny.resumable():
+                resumed_lrs, resumed_weights = _run(out + "/resumed", save_only_model, resume=out + "/checkpoint-4")
         except ResumeNotExact as exc:
             return Observation(False, f"save_only_model={save_only_model}: resume refused before the first step: "
                                       f"{str(exc)[:150]}...")

@@ -154,7 +154,7 @@ def probe(invalid: bool = True) -> Observation:
     rows = [{"input_ids": r, "labels": r.clone()} for r in torch.randint(3, 128, (12, 8), generator=g)]
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(out, per_device_train_batch_size=2, max_steps=6, save_steps=5, report_to=[],
-                                 use_cpu=True, disable_tqdm=True, logging_strategy="no")
+                                 disable_tqdm=True, logging_strategy="no", **tiny.on_cpu())
         try:
             with tiny.quiet():
                 Trainer(model=model, args=args, train_dataset=rows, callbacks=[Steps()]).train()

@@ -137,7 +137,7 @@ def _train(out, shared, resume=None):
     rows = [{"input_ids": torch.randint(0, 16, (6,), generator=g), "labels": torch.randint(0, 16, (6,), generator=g)}
             for _ in range(8)]
     model = _model(shared)
-    args = TrainingArguments(out, per_device_train_batch_size=2, max_steps=4, save_steps=2, report_to=[], use_cpu=True,
+    args = TrainingArguments(out, per_device_train_batch_size=2, max_steps=4, save_steps=2, report_to=[], **tiny.on_cpu(),
                              disable_tqdm=True, learning_rate=1e-2, logging_strategy="no", seed=0)
     with tiny.quiet():
         Trainer(model=model, args=args, train_dataset=rows).train(resume_from_checkpoint=resume)
@@ -151,12 +151,15 @@ def probe(shared: bool = True) -> Observation:
 
     import torch
 
+    from .. import tiny
+
     with tempfile.TemporaryDirectory() as out:
         try:
             full = _train(out, shared)
         except RuntimeError as exc:
             return Observation(True, f"shared={shared}: the first checkpoint save raised: {' '.join(str(exc).split())[:110]}")
-        resumed = _train(out + "/resumed", shared, resume=out + "/checkpoint-2")
+        with tiny.resumable():
+            resumed = _train(out + "/resumed", shared, resume=out + "/checkpoint-2")
     same = torch.equal(full.emb.weight, resumed.emb.weight) and torch.equal(full.head.weight, resumed.head.weight)
     tied = resumed.head.weight is resumed.emb.weight
     bug = not same or tied != shared

@@ -61,6 +61,10 @@ def test_packing_check_leaves_a_run_with_attention_dropout_untouched():
     weights equal those of the same run with the check off, bit for bit."""
     from ftshims import tiny
 
+    unfixable = [c for c in ("packing_contaminated_below_4_37", "packing_detection_needs_torch_2_6")
+                 if catalogue.exists_here(c)]
+    if unfixable:  # packed examples attend to each other here whatever ftshims does: the check rightly finds it
+        pytest.skip(f"packing cannot be kept apart on this stack (advisory {unfixable[0]})")
     data = rows_dataset(corpus(n=32, seq=16))
     ftshims.apply()
     runs = {}

@@ -30,7 +30,7 @@ def test_the_error_gives_transformers_reason_and_the_fix_and_the_config_is_untou
         model.generation_config.do_sample = False
         model.generation_config.temperature = 1e-6
         before = model.generation_config.to_dict()
-        trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=1),
+        trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), report_to=[], max_steps=1, **tiny.on_cpu()),
                           train_dataset=[{"input_ids": [3, 4], "labels": [3, 4]}])
         with pytest.raises(shim_module.InvalidGenerationConfig) as raised:
             trainer.train()
@@ -67,7 +67,7 @@ def test_a_run_that_saves_no_checkpoint_is_not_refused(tmp_path):
         model.generation_config.do_sample = False
         model.generation_config.temperature = 1e-6
         before = [p.detach().clone() for p in model.parameters()]
-        args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[], max_steps=2, save_strategy="no",
+        args = TrainingArguments(str(tmp_path), report_to=[], max_steps=2, save_strategy="no", **tiny.on_cpu(),
                                  learning_rate=1e-2, disable_tqdm=True)
         rows = [{"input_ids": [3, 4, 5], "labels": [3, 4, 5]}] * 4
         with tiny.quiet():
