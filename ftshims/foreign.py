@@ -29,7 +29,13 @@ def is_shim_wrapper(value: Any) -> bool:
     """True for an object a shim installed with :meth:`~ftshims.patching.Patcher.wrap` (plain function or wrapt proxy)."""
     if isinstance(value, wrapt.FunctionWrapper):
         return True
-    return type(value) is types.FunctionType and "__ftshims_shim__" in vars(value)
+    # the mark must be this function's own: ``functools.wraps`` copies a function's __dict__, so a function someone
+    # defined with ``@wraps`` of a patched one carries the mark too (TRL 0.8's ``SFTTrainer.train`` is
+    # ``@wraps(Trainer.train)``): it is theirs, not a layer of ftshims
+    if type(value) is not types.FunctionType:
+        return False
+    own = vars(value).get("__ftshims_self__")
+    return "__ftshims_shim__" in vars(value) and own is not None and own() is value
 
 
 class ForeignPatch(TargetMissing):

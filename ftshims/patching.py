@@ -54,6 +54,7 @@ import itertools
 import logging
 import sys
 import types
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import wrapt
@@ -311,6 +312,7 @@ def _plain_wrapper(inner: Callable, layer: _Layer, wrapper: Callable, method: bo
             return inner(*args, **kwargs)
 
     patched.__ftshims_shim__ = layer.shim_id
+    patched.__ftshims_self__ = weakref.ref(patched)  # which function the mark belongs to (foreign.is_shim_wrapper)
     return patched
 
 

@@ -19,11 +19,14 @@ greedy decoding ignores). A valid config, a ``PeftModel`` (its adapter save writ
 models that cannot generate go to the original unchanged; nothing of the model is modified.
 
 Applies to transformers >= 4.37.0 (4.37.2 read: raises; 4.36.2 read: warns and skips the file; 4.37.0 and 4.37.1
-not read), unfixed in 5.25.0. Fallback: a changed ``train`` signature skips the shim (target check).
+not read), unfixed in 5.25.0. 4.37-4.46 raise from the warnings ``validate()`` emits, as their save records them:
+a process whose filters ignore UserWarning saves there, and the check (the same save, the process's filters kept)
+then finds nothing and stays out; 4.52 and later raise from ``validate(strict=True)`` whatever the filters. Fallback: a changed ``train`` signature skips the shim (target check).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from .._util import acted, warn_once
@@ -82,8 +85,10 @@ def problem(model):
 
     try:
         config = copy.deepcopy(model.generation_config)
-        with tempfile.TemporaryDirectory() as scratch, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        # record=True, the process's own filters kept: 4.37-4.46 raise from the warnings validate() emits that their
+        # save records (the filters decide whether it sees them: a process ignoring UserWarning saves), 4.52+ from
+        # validate(strict=True) whatever the filters. Recorded warnings are not shown: the check stays silent.
+        with tempfile.TemporaryDirectory() as scratch, warnings.catch_warnings(record=True):
             try:
                 config.save_pretrained(scratch)
             except ValueError as exc:  # what the checkpoint save raises
@@ -130,6 +135,17 @@ def install(patcher, options) -> None:
 # Reproduction
 
 
+@contextlib.contextmanager
+def user_warnings_default():
+    """UserWarning under Python's default filter, as in a user's process (inside ``tiny.quiet()``, which ignores
+    every warning: there 4.37-4.46's save would not see validate()'s warnings and would not raise)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("default", category=UserWarning)
+        yield
+
+
 def probe(invalid: bool = True) -> Observation:
     """A tiny Llama whose generation config has ``temperature`` 1e-6 with ``do_sample=False`` (``invalid``), a
     Trainer saving at step 5 of 6. The bug: training ran steps and then the save raised."""
@@ -156,7 +172,7 @@ def probe(invalid: bool = True) -> Observation:
         args = TrainingArguments(out, per_device_train_batch_size=2, max_steps=6, save_steps=5, report_to=[],
                                  disable_tqdm=True, logging_strategy="no", **tiny.on_cpu())
         try:
-            with tiny.quiet():
+            with tiny.quiet(), user_warnings_default():
                 Trainer(model=model, args=args, train_dataset=rows, callbacks=[Steps()]).train()
         except InvalidGenerationConfig as exc:
             return Observation(bool(steps), f"invalid={invalid}: refused before training, after {len(steps)} steps: "

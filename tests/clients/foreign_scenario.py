@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import ftshims  # noqa: E402
+from ftshims.foreign import is_shim_wrapper  # noqa: E402
 
 steps = sys.argv[1].split(",") if sys.argv[1] else []
 out = Path(sys.argv[2])
@@ -65,7 +66,7 @@ def _ftshims_layer(obj):
 
     if isinstance(obj, wrapt.ObjectProxy):
         return "?"
-    if type(obj) is types.FunctionType and "__ftshims_shim__" in vars(obj):
+    if is_shim_wrapper(obj) and type(obj) is types.FunctionType:
         return vars(obj)["__ftshims_shim__"]
     return None
 

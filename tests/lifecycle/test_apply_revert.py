@@ -54,6 +54,25 @@ def test_apply_wraps_and_revert_restores_identity_every_cycle(world):
         assert ftshims.status()["wrap_add"].status == "not applied", f"cycle {cycle}"
 
 
+def test_a_function_copying_a_wrappers_metadata_is_not_a_wrapper(world):
+    """``functools.wraps`` copies __dict__: a function defined with ``@wraps`` of a patched one (TRL 0.8's
+    ``SFTTrainer.train`` is ``@wraps(Trainer.train)``) carries ftshims' mark without being one of its layers."""
+    import functools
+
+    world.add_shim("wrap_add", wrap_add)
+    target = world.module()
+    ftshims.apply()
+    assert patching.is_shim_wrapper(target.add)
+
+    @functools.wraps(target.add)
+    def theirs(*args):
+        return target.add(*args)
+
+    assert "__ftshims_shim__" in vars(theirs) and not patching.is_shim_wrapper(theirs)
+    ftshims.revert()
+    assert not patching.is_shim_wrapper(target.add)
+
+
 def test_apply_is_idempotent(world):
     world.add_shim("wrap_add", wrap_add)
     target = world.module()

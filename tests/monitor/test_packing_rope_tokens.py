@@ -74,7 +74,9 @@ def test_packing_check_leaves_a_run_with_attention_dropout_untouched():
         assert runs[name].error is None, runs[name].error
     checked, unchecked = runs["checked"], runs["unchecked"]
     assert checked.callback.monitor.detectors.by_code["packing_contaminated"].compared_at == 1  # it ran
-    checked.none()
+    # the subject is the packing check: a known bug of the stack found in the same run (num_items_in_batch's
+    # overcount on 4.46-4.57, say) is not this test's business
+    assert "packing_contaminated" not in checked.codes, [f.line() for f in checked.findings]
     ours, theirs = checked.trainer.model.state_dict(), unchecked.trainer.model.state_dict()
     assert [n for n in ours if not torch.equal(ours[n], theirs[n])] == []
     assert all(m.training for m in checked.trainer.model.modules())  # every module's mode restored
