@@ -78,6 +78,33 @@ DEFAULT_STACK_ONLY = (
     "tests/monitor/test_distributed.py",
     # the monitor's data/configuration checks read batches and the Trainer's schedule, not a shim's target
     "tests/monitor/test_data_checks.py",
+    # the doctor's and the start-up machinery (output formats, usage errors, fault injection, the probe worker's
+    # protocol, the exit summary): what the installed versions change is in the real-stack tests, which stay
+    "tests/doctor/test_faults.py",
+    *(f"tests/doctor/test_doctor.py::{name}" for name in (
+        "test_text_markdown_json_formats", "test_exit_0_when_every_affected_bug_is_patched",
+        "test_exit_1_when_a_known_bug_stays_unpatched", "test_speed_shims_and_unaffected_shims_never_exit_1",
+        "test_usage_errors_exit_2", "test_usage_error_exit_2_from_the_command_line",
+        "test_importing_the_doctor_imports_no_heavy_package", "test_no_import_statuses_come_from_version_gating",
+        "test_a_patched_module_that_raises_on_import_is_reported", "test_torch_whose_import_raises_from_the_command_line",
+        "test_a_failing_step_is_reported_and_the_rest_still_runs", "test_a_shim_module_that_raises_on_import",
+        "test_a_renderer_bug_falls_back_to_json", "test_broken_metadata_of_a_gating_package",
+        "test_metadata_lookup_that_raises", "test_flash_attn_", "test_torch_details_on_a_fake_cuda_torch",
+        "test_tested_stack_exact_match", "test_tested_stack_nearest_by_transformers_then_peft_then_trl",
+        "test_tested_stack_compares_torch_too", "test_tested_stack_is_unknown_without_tomllib",
+        "test_packages_without_bytecode_are_a_warning_only_when_python_will_not_write_it")),
+    *(f"tests/doctor/test_probes.py::{name}" for name in (
+        "test_hanging_and_crashing_probes_cannot_stop_the_others", "test_a_hanging_probe_is_killed_with_its_process_group",
+        "test_probe_output_cannot_corrupt_the_protocol", "test_a_server_that_cannot_start_stops_the_run_with_a_reason",
+        "test_the_doctor_runs_its_own_trial_when_the_server_cannot_start",
+        "test_the_probe_environment_is_offline_and_unpatched", "test_the_worker_refuses_network_connections",
+        "test_disabled_or_unfixing_shim_is_an_unpatched_bug", "test_cli_probe_exit_codes_and_clean_json",
+        "test_speed_shims_are_probed_only_with_probe_all", "test_probe_usage_errors_exit_2",
+        "test_summary_counts_probe_problems_from_rows", "test_probe_keys_and_values_are_documented")),
+    "tests/lifecycle/test_effects.py::test_counts_start_again_with_each_installation",
+    "tests/lifecycle/test_effects.py::test_exit_summary_is_opt_in_and_rank_0_only",
+    "tests/lifecycle/test_effects.py::test_bad_summary_setting_is_an_error_at_apply",
+    "tests/lifecycle/test_hardening.py::test_module_raising_on_import_never_breaks_apply",
     # engines and accelerate's clipping path: the default stack and the newest (below)
     "tests/monitor/test_grad_norm.py",
     "tests/monitor/test_deepspeed.py",
@@ -100,6 +127,10 @@ TORCH_DEPENDENT = ("tests/kernels/", "tests/lifecycle/test_compile.py", "tests/e
 # stack (the same v5 masking_utils as the newest) were dropped from the list to keep CI within its hour.
 COMPILE_TESTS = "tests/lifecycle/test_compile.py"
 COMPILE_STACKS = ("t4_34", "t4_37", "t4_38", "t4_53", "t5_25")
+# The doctor's whole probe run in its worker process (~30 s a stack): every probe also runs in its shim's own test on
+# every stack, in process; the worker path runs on the oldest stack, one per mask era and the newest.
+REAL_PROBE_RUN = "tests/doctor/test_probes.py::test_real_probe_run_end_to_end"
+REAL_PROBE_STACKS = ("t4_30", "t4_37", "t4_46", "t4_53", "t5_1", "t5_25")
 
 
 def pytest_addoption(parser):
@@ -140,6 +171,8 @@ def pytest_collection_modifyitems(config, items):
         if default_only and own_torch and item.nodeid.startswith(TORCH_DEPENDENT):
             default_only = False
         if item.nodeid.startswith(COMPILE_TESTS) and not (compile_era or own_torch):
+            default_only = True
+        if item.nodeid.startswith(REAL_PROBE_RUN) and os.environ.get("FTSHIMS_STACK") not in REAL_PROBE_STACKS:
             default_only = True
         (dropped if default_only else keep).append(item)
     if dropped:
