@@ -224,21 +224,30 @@ def _compute_loss(wrapped, instance, args, kwargs):
 
     watch = _Watch(num_items_in_batch)
     outcome = []
+    depth = [0]
+
+    def enter(module, hook_args):
+        depth[0] += 1
 
     def decide(module, hook_args, output):
-        if outcome:
+        depth[0] -= 1
+        # Only the outermost call decides: a forward of the same model run inside it (ftshims' monitor re-runs a
+        # packed row from its forward pre-hook; other tools may too) ends first and has not seen the loss yet
+        if outcome or depth[0] > 0:
             return
         outcome.append("used" if watch.used else "ignored")
         if not watch.used:
             # Before compute_loss goes on: it scales by the number of processes only while the flag is True.
             instance.model_accepts_loss_kwargs = False
 
+    entered = inner.register_forward_pre_hook(enter, prepend=True)  # before any other pre-hook's nested forward
     handle = inner.register_forward_hook(decide)
     try:
         with watch.mode:
             result = wrapped(*args, **kwargs)
     finally:
         handle.remove()
+        entered.remove()
     if not outcome:
         _note("the model's forward hook did not run inside compute_loss")
         outcome.append("not seen")

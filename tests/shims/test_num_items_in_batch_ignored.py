@@ -64,6 +64,34 @@ def test_model_that_uses_num_items_in_batch_is_bit_identical():
     assert plain.loss == shimmed.loss and torch.equal(plain.grads, shimmed.grads)
 
 
+def test_a_forward_nested_in_the_first_one_does_not_decide(monkeypatch):
+    """A forward of the same model run from inside the training forward (ftshims' monitor re-runs a packed row from
+    its forward pre-hook) ends first, before the loss has used the count: it must not decide. It did (4.52 with the
+    monitor's packing check): the trainer was switched to dividing a causal LM's loss by the accumulation steps."""
+    import torch
+
+    build = probe_module.build
+
+    def with_a_nested_forward(kind):
+        model, rows = build(kind)
+        ran = []
+
+        def rerun(module, args, kwargs):
+            if not ran and module.training:
+                ran.append(True)
+                with torch.no_grad():
+                    module(input_ids=kwargs["input_ids"][:1, :3])
+
+        model.register_forward_pre_hook(rerun, with_kwargs=True)
+        return model, rows
+
+    plain = _step("llama_clm", shim_on=False)
+    monkeypatch.setattr(probe_module, "build", with_a_nested_forward)
+    shimmed = _step("llama_clm", shim_on=True)
+    assert shimmed.accepts_loss_kwargs, "the nested forward decided that the loss ignores num_items_in_batch"
+    assert plain.loss == shimmed.loss and torch.equal(plain.grads, shimmed.grads)
+
+
 def test_fixed_step_is_the_step_without_accumulation():
     """The fixed accumulated step equals the model's own loss over the 4 rows at once: same gradients."""
     import torch
