@@ -363,6 +363,14 @@ def main():
         for name in args.cases.split(","):
             if engine != "fsdp2" or name in FSDP2_CASES:
                 run_case(name, engine, args.phase, os.path.join(args.out, engine))
+    import torch.distributed as dist
+
+    # Tear the process group down before the interpreter exits, as the other multi-rank scripts here do: a gloo
+    # group left alive at exit aborted one rank of a CI run ("terminate called without an active exception", SIGABRT
+    # after every case had finished), which failed the whole launch
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
