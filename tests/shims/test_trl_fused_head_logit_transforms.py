@@ -22,12 +22,19 @@ def _in_range():
         pytest.skip(f"{SHIM} not active on this stack: {reason}")
 
 
+EXPRESSED = []  # the bug scenarios that ran on this stack (the parametrized test below runs first)
+
+
 @pytest.mark.parametrize("model", ["recurrent_gemma", "inkling"])
 def test_sft_loss_is_the_models_own(evidence, model):
     assert_bug_and_fix(SHIM, evidence, f"tiny {model} (head x30), SFTTrainer loss vs the model's own", model=model)
+    EXPRESSED.append(model)
 
 
 def test_llama_is_healthy(evidence):
+    if not EXPRESSED:  # e.g. TRL 1.4 on transformers 5.1: no Inkling, and RecurrentGemma fails in TRL's head first
+        pytest.skip("no model with a logit transform runs TRL's fused head on this stack: the shim's effect cannot be "
+                    "shown here, so its control proves nothing either")
     assert_bug_and_fix(SHIM, evidence, "tiny Llama (head x30), SFTTrainer loss vs the model's own (control)",
                        expect_bug=False, model="llama")
 
