@@ -93,6 +93,23 @@ def method_binder(func) -> Callable[[tuple, dict], Optional[dict]]:
         params = list(inspect.signature(func).parameters.values())[1:]  # without self
     except (TypeError, ValueError):
         return lambda args, kwargs: None
+    return _binder(params)
+
+
+def function_binder(func) -> Callable[[tuple, dict], Optional[dict]]:
+    """:func:`method_binder` for a plain function (no ``self`` to leave out)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return lambda args, kwargs: None
+    return _binder(params)
+
+
+def _binder(params) -> Callable[[tuple, dict], Optional[dict]]:
+    import inspect
+
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = tuple(p.name for p in params if p.kind in positional)
 

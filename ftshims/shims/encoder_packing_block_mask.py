@@ -37,7 +37,7 @@ import contextvars
 import inspect
 import sys
 
-from .._util import acted, compiling, method_binder
+from .._util import acted, compiling, function_binder, method_binder
 from ..spec import Observation, ProbeUnsupported, ShimSpec, Target, TargetMissing
 
 # model_type -> (modeling module, base model class). Every base model's forward takes attention_mask and
@@ -130,19 +130,6 @@ def _forward_wrapper(bind):
     return forward
 
 
-def _function_binder(func):
-    names = tuple(inspect.signature(func).parameters)
-
-    def bind(args, kwargs):
-        if len(args) > len(names):
-            return None
-        call = dict(zip(names, args))
-        call.update(kwargs)
-        return call
-
-    return bind, names
-
-
 def _builder_wrapper(bind, masking_utils):
     def builder(wrapped, instance, args, kwargs):
         if compiling():
@@ -212,7 +199,9 @@ def install(patcher, options) -> None:
                 if "create_bidirectional_mask" not in builders:
                     raise TargetMissing(f"{module_name} builds its masks without masking_utils in this release")
                 for name in builders:
-                    bind, names = _function_binder(vars(module)[name])
+                    builder = vars(module)[name]
+                    names = tuple(inspect.signature(builder).parameters)
+                    bind = function_binder(builder)
                     if not ({"attention_mask", "and_mask_function"} <= set(names)
                             and {"inputs_embeds", "input_embeds"} & set(names)):
                         raise TargetMissing(f"{module_name}.{name}{tuple(names)} changed")
